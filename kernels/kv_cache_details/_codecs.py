@@ -1,0 +1,46 @@
+"""Software float codecs in Triton (bit-exact, round-to-nearest-even, saturating).
+
+Used where hardware conversion is unavailable or unreliable: Triton's CPU interpreter rounds
+fp32 -> e4m3 wrongly near powers of two (31.2 -> 16), and the nvfp4 KV cache (a later issue)
+needs e4m3 block scales and e2m1 codes packed by hand. The GPU path of the KV write uses the
+hardware ``cvt.rn.satfinite`` conversion; tests check both against ``torch``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pow2(k):
+    """2**k as fp32 for integer k in [-126, 127] (exact)."""
+    return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_half_even(y):
+    """Round fp32 ``y >= 0`` (< 2**23) to the nearest integer, ties to even."""
+    f = tl.floor(y)
+    r = y - f
+    odd = (f.to(tl.int32) % 2) == 1
+    return f + tl.where((r > 0.5) | ((r == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
+def e4m3_encode(x):
+    """fp32 -> float8_e4m3fn byte (uint8): RNE, saturating to +-448, NaN -> 0x7F."""
+    is_nan = x != x
+    a = tl.minimum(tl.abs(x), 448.0)
+    neg = (x.to(tl.uint32, bitcast=True) >> 31) == 1  # keeps the sign of -0.0
+    # Normal range: a = 2**e * q / 8 with q in [8, 16).
+    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    e = tl.maximum(e, -6)  # below 2**-6 the code is subnormal: fixed exponent, step 2**-9
+    q = _round_half_even(a * _pow2(3 - e))
+    carry = q >= 16.0
+    e = tl.where(carry, e + 1, e)
+    q = tl.where(carry, 8.0, q)
+    qi = q.to(tl.int32)
+    normal = qi >= 8
+    code = tl.where(normal, ((e + 7) << 3) | (qi - 8), qi)
+    code = tl.where(neg, code | 0x80, code)
+    code = tl.where(is_nan, 0x7F, code)
+    return code.to(tl.uint8)

@@ -1,0 +1,104 @@
+"""Shared test helpers: random paged batches, one tolerance rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float = 1.5e-2, rtol: float = 1e-2, what: str = ""):
+    """The one tolerance rule for attention outputs (bf16/fp16 result vs fp32 reference).
+
+    The kernel rounds P to 16 bits before P@V and writes a 16-bit result; both cost well under
+    1e-2 for O(1) outputs, while a wrong mask, window, sink or scale moves outputs by >= 5e-2.
+    """
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out.float()).all(), f"{what}: non-finite output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    k_scale: float | None
+    v_scale: float | None
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype=torch.bfloat16,
+    kv_dtype=torch.bfloat16,
+    sliding_window: int | None = None,
+    pad_tokens: int = 0,
+    device="cpu",
+    seed: int = 0,
+) -> PagedBatch:
+    """A ragged batch with a shuffled page table.
+
+    Block 0 is vLLM's null block and is filled with NaN: pages wholly before a sliding window
+    point at it, as vLLM's sliding-window manager does, so any unmasked read shows up as NaN.
+    """
+    assert len(q_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = 1 + sum(pages_per_seq) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    max_pages = max(max(pages_per_seq), 1) + 2
+    # Unused table entries point at random real pages: the kernel must never read them.
+    block_table = torch.randint(1, num_blocks, (len(seq_lens), max_pages), generator=g, dtype=torch.int32)
+    cache_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    k_full = torch.randn(cache_shape, generator=g)
+    v_full = torch.randn(cache_shape, generator=g)
+    k_scale = v_scale = None
+    if kv_dtype == FP8:
+        k_scale, v_scale = 0.0625, 0.03125  # exercise the scales: stored values are x / scale
+        key_cache = (k_full / k_scale).clamp(-448, 448).to(FP8)
+        value_cache = (v_full / v_scale).clamp(-448, 448).to(FP8)
+        key_cache[0].view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+        value_cache[0].view(torch.uint8).fill_(0x7F)
+    else:
+        key_cache, value_cache = k_full.to(kv_dtype), v_full.to(kv_dtype)
+        key_cache[0] = float("nan")
+        value_cache[0] = float("nan")
+    it = iter(perm)
+    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        first_needed = 0
+        if sliding_window is not None:
+            first_needed = max(0, (sl - ql) - sliding_window + 1)
+        for p in range(pages_per_seq[i]):
+            page = next(it)
+            if (p + 1) * block_size <= first_needed:
+                page = 0  # freed by the sliding-window manager
+            block_table[i, p] = page
+    total = sum(q_lens)
+    q = torch.randn(total + pad_tokens, num_q_heads, head_size, generator=g).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return PagedBatch(
+        q=q.to(device),
+        key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device),
+        block_table=block_table.to(device),
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )

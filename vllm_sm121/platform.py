@@ -1,0 +1,110 @@
+"""Capability -> architecture family, and the per-architecture tile tables (data only).
+
+Architecture
+    Every kernel in ``vllm_sm121.kernels`` is Triton, so one source runs on sm_90 (H100/H200,
+    where it is tested and measured) and on sm_121 (GB10, the target). What differs between
+    the two is data: tile shapes, warps and pipeline stages, chosen here per family.
+
+Constraints
+    * sm_12x has ~100 KB of shared memory per block (sm_90: 227 KB), so its prefill tiles use
+      fewer pipeline stages.
+    * Nothing here may select an sm_90-only instruction (wgmma, TMA) for sm_12x: the tables only
+      hold tile sizes; the AOT test (tests/test_aot_compile.py) checks the sm_121a PTX.
+
+Limitations
+    sm_12x numbers are not measured (no GB10 here); they are the sm_90 choices cut to fit the
+    smaller shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+# Families the plugin runs on, by compute-capability major version.
+SM90 = "sm_90"
+SM12X = "sm_12x"
+# Under TRITON_INTERPRET=1 on the CPU: small tiles keep the interpreter fast.
+INTERPRETER = "interpreter"
+
+SUPPORTED_CAPABILITIES = "9.x (Hopper: H100/H200) and 12.x (Blackwell GeForce/GB10: sm_120, sm_121)"
+
+
+def arch_family(major: int, minor: int = 0) -> str | None:
+    """Map a compute capability to a family name, or None when unsupported."""
+    if major == 9:
+        return SM90
+    if major == 12:
+        return SM12X
+    return None
+
+
+def is_supported_capability(major: int, minor: int = 0) -> bool:
+    return arch_family(major, minor) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def device_family(device_index: int) -> str:
+    """The family of a CUDA device; raises a clear error for unsupported GPUs."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    fam = arch_family(major, minor)
+    if fam is None:
+        raise ValueError(
+            f"vllm-sm121 kernels do not support compute capability {major}.{minor} "
+            f"({torch.cuda.get_device_name(device_index)}); supported: {SUPPORTED_CAPABILITIES}"
+        )
+    return fam
+
+
+def family_of(tensor) -> str:
+    """Family for the device a tensor lives on (INTERPRETER for CPU tensors)."""
+    if tensor.device.type != "cuda":
+        return INTERPRETER
+    return device_family(tensor.device.index if tensor.device.index is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnTile:
+    block_m: int  # query rows per program: (query tokens) x (q heads of one kv head)
+    tile_n: int  # KV tokens per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+# performance hyper-parameters
+# Keyed by (family, kind, head-size bucket). kind: "decode" (max query length <= 16 rows per
+# kv head; also spec-verify) or "prefill". Measured on H100 with benchmarks/attention.py.
+ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
+    # sm_90
+    (SM90, "decode", 64): AttnTile(16, 64, 4, 2),
+    (SM90, "decode", 128): AttnTile(16, 64, 4, 2),
+    (SM90, "decode", 256): AttnTile(16, 32, 4, 2),
+    (SM90, "prefill", 64): AttnTile(128, 64, 8, 3),
+    (SM90, "prefill", 128): AttnTile(128, 64, 8, 2),
+    (SM90, "prefill", 256): AttnTile(64, 32, 4, 2),
+    # sm_12x: ~100 KB shared memory per block -> fewer stages for the large tiles.
+    (SM12X, "decode", 64): AttnTile(16, 64, 4, 2),
+    (SM12X, "decode", 128): AttnTile(16, 64, 4, 2),
+    (SM12X, "decode", 256): AttnTile(16, 32, 4, 2),
+    (SM12X, "prefill", 64): AttnTile(64, 64, 4, 2),
+    (SM12X, "prefill", 128): AttnTile(64, 64, 4, 2),
+    (SM12X, "prefill", 256): AttnTile(32, 32, 4, 1),
+    # CPU interpreter: tiny tiles, the interpreter's cost grows with tile area.
+    (INTERPRETER, "decode", 64): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "decode", 128): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "decode", 256): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "prefill", 64): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "prefill", 128): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "prefill", 256): AttnTile(16, 16, 4, 1),
+}
+
+# Streaming multiprocessors, for the split-KV heuristic (the launcher reads the real count
+# from the device when it has one).
+DEFAULT_SM_COUNT = {SM90: 132, SM12X: 48, INTERPRETER: 4}
+
+
+def attn_tile(family: str, kind: str, head_size_padded: int) -> AttnTile:
+    bucket = 64 if head_size_padded <= 64 else (128 if head_size_padded <= 128 else 256)
+    return ATTN_TILES[(family, kind, bucket)]
