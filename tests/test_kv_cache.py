@@ -84,7 +84,7 @@ def _e4m3_values_and_midpoints() -> torch.Tensor:
     mids = (pos[1:] + pos[:-1]) / 2
     mb = mids.bfloat16()
     nudged = torch.cat([torch.nextafter(mb, mb + 1), torch.nextafter(mb, mb - 1)]).float()
-    x = torch.cat([pos, mids, nudged, torch.tensor([449.0, 464.0, 8192.0, 2**-10, 2**-11, 3 * 2**-11])])
+    x = torch.cat([pos, mids, nudged, torch.tensor([456.0, 480.0, 8192.0, 2**-10, 2**-11, 3 * 2**-11])])
     return torch.cat([x, -x])
 
 

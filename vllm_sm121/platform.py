@@ -91,11 +91,12 @@ ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
     (SM12X, "prefill", 64): AttnTile(64, 64, 4, 2),
     (SM12X, "prefill", 128): AttnTile(64, 64, 4, 2),
     (SM12X, "prefill", 256): AttnTile(32, 32, 4, 1),
-    # CPU interpreter: tiny tiles, the interpreter's cost grows with tile area.
-    (INTERPRETER, "decode", 64): AttnTile(16, 16, 4, 1),
+    # CPU interpreter: tiny tiles (its cost grows with tile area); TILE_N 32 > page 16 so a
+    # tile spans pages, as on the GPU, and null-block masking is exercised.
+    (INTERPRETER, "decode", 64): AttnTile(16, 32, 4, 1),
     (INTERPRETER, "decode", 128): AttnTile(16, 16, 4, 1),
     (INTERPRETER, "decode", 256): AttnTile(16, 16, 4, 1),
-    (INTERPRETER, "prefill", 64): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "prefill", 64): AttnTile(16, 32, 4, 1),
     (INTERPRETER, "prefill", 128): AttnTile(16, 16, 4, 1),
     (INTERPRETER, "prefill", 256): AttnTile(16, 16, 4, 1),
 }

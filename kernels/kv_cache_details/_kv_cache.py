@@ -5,7 +5,7 @@ import triton.language as tl
 
 from ._codecs import e4m3_encode
 
-FP8_E4M3_MAX: tl.constexpr = 448.0
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit

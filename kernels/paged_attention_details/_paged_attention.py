@@ -15,7 +15,7 @@ so no TMA).
 import triton
 import triton.language as tl
 
-RCP_LN2: tl.constexpr = 1.4426950408889634
+RCP_LN2 = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -1,0 +1,58 @@
+"""Every kernel compiles for sm_121a and sm_90a without a GPU; the sm_121a PTX has no sm_90-only code.
+
+Runs ``python -m vllm_sm121.kernels.aot`` in a subprocess (the CPU tests set TRITON_INTERPRET=1,
+which replaces every @triton.jit function by an interpreted one). The instructions each build
+uses are recorded in ``results/ptx_instructions.json`` and printed with ``pytest -s``.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.aot
+
+RESULTS = pathlib.Path(os.environ.get("VLLM_SM121_RESULTS", "results"))
+
+
+@pytest.fixture(scope="module")
+def record():
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "ptx_instructions.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_sm121.kernels.aot", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_compiles_for_both_archs(record):
+    from vllm_sm121.kernels import aot
+    from vllm_sm121 import platform
+
+    assert set(record) == {"sm_121a", "sm_90a"}
+    assert set(record["sm_121a"]) == {s.name for s in aot.all_specs(platform.SM12X)}
+
+
+def test_sm121_has_no_sm90_only_instructions(record):
+    for name, info in record["sm_121a"].items():
+        assert not info["sm90_only"], f"{name}: {info['sm90_only']}"
+        assert not any(i.startswith("wgmma") for i in info["instructions"]), name
+
+
+def test_sm121_attention_uses_mma_sync_and_fits_shared_memory(record):
+    """GB10: the dots become bf16 mma.sync (no wgmma there); tiles fit its ~99 KB of shared memory."""
+    for name, info in record["sm_121a"].items():
+        if name.startswith("paged_attention"):
+            assert any(i.startswith("mma.sync.aligned.m16n8k16") for i in info["instructions"]), name
+        assert info["shared_bytes"] <= 99 * 1024, f"{name}: {info['shared_bytes']} B of shared memory"
+
+
+def test_kv_write_fp8_uses_hardware_conversion_unless_soft(record):
+    rows = record["sm_121a"]
+    assert any(i.startswith("cvt.rn.satfinite.e4m3") for i in rows["write_kv_cache[fp8]"]["instructions"])
+    assert not any(i.startswith("cvt.rn.satfinite") for i in rows["write_kv_cache[fp8,soft-e4m3]"]["instructions"])
