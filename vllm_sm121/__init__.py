@@ -23,7 +23,10 @@ _registered: list[str] | None = None
 
 def _features() -> list[str]:
     """Register every finished feature with vLLM; return their names."""
-    return []
+    from . import compat
+
+    compat.register_attention_backend()
+    return [f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME})"]
 
 
 def register() -> list[str]:

@@ -1,0 +1,105 @@
+"""The SM121 backend inside vLLM, without a GPU: name resolution, declarations, validation messages."""
+
+import pytest
+import torch
+
+import vllm_sm121
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    vllm_sm121.register()
+
+
+def test_name_resolves_everywhere_vllm_looks_it_up():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+
+    member = AttentionBackendEnum["SM121"]  # what --attention-backend / -ac.backend / -sc use
+    assert member is AttentionBackendEnum.CUSTOM
+    assert member.get_class() is SM121AttentionBackend
+    # Attention.__init__ looks the backend up by its own get_name():
+    assert AttentionBackendEnum[SM121AttentionBackend.get_name()] is member
+
+
+def test_attention_config_accepts_the_flag_value():
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cfg = AttentionConfig(backend="SM121")
+    assert cfg.backend is AttentionBackendEnum.CUSTOM
+
+
+def test_alias_survives_pickling_into_a_fresh_process():
+    """Spawned engine/worker processes unpickle the config before plugins load: CUSTOM pickles by value."""
+    import pickle
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    blob = pickle.dumps(AttentionBackendEnum["SM121"])
+    assert pickle.loads(blob) is AttentionBackendEnum.CUSTOM
+
+
+def _validate(**over):
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+
+    cfg = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+               has_sink=True, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+               device_capability=DeviceCapability(12, 1), attn_type="decoder", has_sliding_window=True)
+    cfg.update(over)
+    return SM121AttentionBackend.validate_configuration(**cfg)
+
+
+def test_gpt_oss_configuration_is_valid_on_sm121_and_sm90():
+    from vllm.platforms.interface import DeviceCapability
+
+    for cap in (DeviceCapability(12, 1), DeviceCapability(12, 0), DeviceCapability(9, 0)):
+        for kv in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
+            for bs in (16, 32, 64):
+                assert _validate(device_capability=cap, kv_cache_dtype=kv, block_size=bs) == []
+
+
+@pytest.mark.parametrize(
+    "over,needle",
+    [
+        (dict(head_size=48), "head_size=48 not supported (supported: [32, 64"),
+        (dict(kv_cache_dtype="nvfp4"), "--kv-cache-dtype nvfp4 not supported (supported: auto, bfloat16"),
+        (dict(block_size=8), "block_size=8 not supported (supported: multiples of 16)"),
+        (dict(dtype=torch.float32), "dtype=torch.float32 not supported"),
+        (dict(device_capability=None), "compute capability"),
+    ],
+)
+def test_invalid_configurations_are_named(over, needle):
+    from vllm.platforms.interface import DeviceCapability
+
+    if over.get("device_capability", 1) is None:
+        over["device_capability"] = DeviceCapability(8, 0)
+    reasons = _validate(**over)
+    assert any(needle in r for r in reasons), reasons
+    if "device_capability" in over:
+        assert any("9.x" in r and "12.x" in r for r in reasons)
+
+
+def test_kv_cache_shape_and_bad_dtype():
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+
+    assert SM121AttentionBackend.get_kv_cache_shape(10, 16, 8, 64) == (10, 2, 8, 16, 64)
+    with pytest.raises(ValueError, match="block_size=24"):
+        SM121AttentionBackend.get_kv_cache_shape(10, 24, 8, 64)
+
+
+def test_impl_keeps_per_layer_hyperparameters():
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+
+    full = SM121AttentionImpl(64, 64, 0.125, 8, None, None, "auto", None, "decoder", None)
+    swa = SM121AttentionImpl(64, 64, 1 / 11.3, 8, None, 128, "fp8", 30.0, "decoder", None,
+                             sinks=torch.zeros(64))
+    assert (full.sliding_window, full.logits_soft_cap, full.sinks) == (None, None, None)
+    assert (swa.sliding_window, swa.logits_soft_cap, swa.scale) == (128, 30.0, pytest.approx(1 / 11.3))
+    with pytest.raises(ValueError, match="ALiBi"):
+        SM121AttentionImpl(64, 64, 0.125, 8, [1.0] * 64, None, "auto", None, "decoder", None)
+    with pytest.raises(ValueError, match="sinks has 3 entries"):
+        SM121AttentionImpl(64, 64, 0.125, 8, None, None, "auto", None, "decoder", None, sinks=torch.zeros(3))
