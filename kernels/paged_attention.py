@@ -54,11 +54,22 @@ class SplitWorkspace:
 
     @classmethod
     def allocate(cls, max_tokens: int, num_q_heads: int, num_splits: int, head_size: int, device) -> "SplitWorkspace":
-        pad = triton.next_power_of_2(head_size)
+        pad = max(16, triton.next_power_of_2(head_size))
         return cls(
             acc=torch.empty(max_tokens, num_q_heads, num_splits, pad, dtype=torch.float32, device=device),
             ml=torch.empty(max_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=device),
         )
+
+    @classmethod
+    def view_of(cls, acc_flat: torch.Tensor, ml_flat: torch.Tensor, num_tokens: int, num_q_heads: int,
+                num_splits: int, head_size: int) -> "SplitWorkspace | None":
+        """Views at the start of persistent flat buffers (same addresses every step), or None if too small."""
+        pad = max(16, triton.next_power_of_2(head_size))
+        n = num_tokens * num_q_heads * num_splits
+        if n * pad > acc_flat.numel() or n * 2 > ml_flat.numel():
+            return None
+        return cls(acc=acc_flat[: n * pad].view(num_tokens, num_q_heads, num_splits, pad),
+                   ml=ml_flat[: n * 2].view(num_tokens, num_q_heads, num_splits, 2))
 
 
 def _sm_count(q: torch.Tensor, family: str) -> int:
@@ -75,16 +86,21 @@ def choose_num_splits(
     max_seq_len: int,
     num_q_per_kv: int,
     sm_count: int,
+    sliding_window: int | None = None,
 ) -> int:
     """Splits for flash-decoding: enough programs to fill the GPU twice, >= 256 KV tokens each.
 
     Only query-light batches (decode, spec-verify) split; prefill already has programs to spare.
+    A sliding window bounds the KV a query block reads, whatever the context length.
     """
     if max_query_len * num_q_per_kv > 64:
         return 1
+    visible = max_seq_len
+    if sliding_window is not None:
+        visible = min(visible, sliding_window + max_query_len - 1)
     programs = num_seqs * num_kv_heads
     want = triton.cdiv(2 * sm_count, max(programs, 1))
-    cap = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    cap = max(1, visible // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(want, cap, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # power of two: few kernel specialisations
 
@@ -108,10 +124,12 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     workspace: SplitWorkspace | None = None,
+    tile: _platform.AttnTile | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [T, Hq, D] against paged KV; returns ``out`` [T, Hq, D].
 
     Rows of ``out`` past ``query_start_loc[-1]`` (graph padding) are left untouched.
+    ``tile`` overrides the per-architecture tile table (tuning, tests).
     """
     # ---- validation ---------------------------------------------------------------------------
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
@@ -170,7 +188,7 @@ def paged_attention(
     num_q_per_kv = num_q_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
     kind = "decode" if max_query_len * num_q_per_kv <= 16 else "prefill"
-    tile = _platform.attn_tile(family, kind, head_pad)
+    tile = tile or _platform.attn_tile(family, kind, head_pad)
     # Never more rows than the longest query needs (spec-verify 1+k would waste half a tile).
     rows = triton.next_power_of_2(max(1, max_query_len) * num_q_per_kv)
     block_m = max(16, triton.next_power_of_2(num_q_per_kv), min(tile.block_m, rows))
@@ -179,6 +197,7 @@ def paged_attention(
         num_splits = choose_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
             max_seq_len=max_seq_len, num_q_per_kv=num_q_per_kv, sm_count=_sm_count(q, family),
+            sliding_window=sliding_window,
         )
     if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits={num_splits} is not supported; supported: powers of two 1..{MAX_SPLITS}")

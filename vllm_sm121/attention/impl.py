@@ -81,6 +81,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         sinks = self._sinks_f32 if self._sinks_f32 is not None else (
             self.sinks.float() if self.sinks is not None else None)
         fp8 = self.kv_cache_dtype in _FP8_CACHE
+        num_splits, workspace = md.splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         paged_attention(
@@ -88,6 +89,6 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=self.scale,
             sliding_window=self.sliding_window, softcap=self.logits_soft_cap, sinks=sinks,
             k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None,
-            out=out, num_splits=md.num_splits, workspace=md.workspace,
+            out=out, num_splits=num_splits, workspace=workspace,
         )
         return output

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
-from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SplitWorkspace, choose_num_splits
+from vllm_sm121.kernels.paged_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, SplitWorkspace, choose_num_splits
 
 # Partial results the split-KV workspace holds: (tokens x splits) rows of [Hq, head_pad] fp32.
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
@@ -31,8 +31,21 @@ class SM121AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_splits: int
-    workspace: SplitWorkspace | None
+    num_splits: int  # for full-attention layers; windowed layers may use fewer (impl)
+    split_acc: torch.Tensor  # persistent flat split-KV buffers
+    split_ml: torch.Tensor
+
+    def splits_and_workspace(self, num_q_heads: int, head_size: int, sliding_window: int | None):
+        """The split count for one layer (a window caps it) and its workspace views (graph-stable)."""
+        splits = self.num_splits
+        if sliding_window is not None and splits > 1:
+            visible = sliding_window + self.max_query_len - 1
+            while splits > 1 and visible < splits * MIN_TOKENS_PER_SPLIT:
+                splits //= 2
+        if splits == 1:
+            return 1, None
+        ws = SplitWorkspace.view_of(self.split_acc, self.split_ml, self.num_actual_tokens, num_q_heads, splits, head_size)
+        return (splits, ws) if ws is not None else (1, None)
 
 
 class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetadata]):
@@ -57,7 +70,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         self._acc = torch.empty(rows * self.head_pad, dtype=torch.float32, device=device)
         self._ml = torch.empty(rows * 2, dtype=torch.float32, device=device)
 
-    def _splits_and_workspace(self, num_tokens, num_reqs, max_query_len, max_seq_len):
+    def _num_splits(self, num_tokens, num_reqs, max_query_len, max_seq_len) -> int:
         splits = choose_num_splits(
             num_seqs=num_reqs, num_kv_heads=self.num_kv_heads, max_query_len=max_query_len,
             max_seq_len=max_seq_len, num_q_per_kv=max(1, self.num_q_heads // self.num_kv_heads),
@@ -65,14 +78,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         )
         while splits > 1 and num_tokens * splits > WORKSPACE_TOKEN_SPLITS:
             splits //= 2
-        if splits == 1:
-            return 1, None
-        n = num_tokens * self.num_q_heads * splits
-        ws = SplitWorkspace(
-            acc=self._acc[: n * self.head_pad].view(num_tokens, self.num_q_heads, splits, self.head_pad),
-            ml=self._ml[: n * 2].view(num_tokens, self.num_q_heads, splits, 2),
-        )
-        return splits, ws
+        return splits
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         return self._build(common_attn_metadata, common_attn_metadata.max_seq_len)
@@ -85,7 +91,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         return md
 
     def _build(self, cm: CommonAttentionMetadata, split_seq_len: int) -> SM121AttentionMetadata:
-        num_splits, ws = self._splits_and_workspace(cm.num_actual_tokens, cm.num_reqs, cm.max_query_len, split_seq_len)
+        num_splits = self._num_splits(cm.num_actual_tokens, cm.num_reqs, cm.max_query_len, split_seq_len)
         assert num_splits <= MAX_SPLITS
         return SM121AttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
@@ -96,5 +102,6 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
             num_splits=num_splits,
-            workspace=ws,
+            split_acc=self._acc,
+            split_ml=self._ml,
         )

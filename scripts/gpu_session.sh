@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (see ../shared/gpu-bundle/README.md): install the vLLM bundle's last
+# part, this package, then run the named steps, logging to $OUT.
+#   bash scripts/gpu_session.sh <part-dir> [tests|e2e|bench|quickbench|tune|aot]...
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+part=$1; shift
+if [ -d /tmp/vllm-bundle/site/vllm ]; then
+  export PYTHONPATH=/tmp/vllm-bundle/site PATH=/tmp/vllm-bundle/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
+else
+  eval "$(bash "$part/install.sh" | tail -1)" || exit 3
+fi
+pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 4; }
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+rc=0
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) python3 -m pytest -q -x -m "gpu and not e2e" tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/tests.log" ;;
+    alltests) python3 -m pytest -q tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 60 | tee "$OUT/alltests.log" ;;
+    e2e) VLLM_ALLOW_INSECURE_SERIALIZATION=1 python3 -m pytest -q -s tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -n 60 | tee "$OUT/e2e.log" ;;
+    bench) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -n 150 ;;
+    quickbench) python3 benchmarks/attention.py --quick --out "$OUT/attention_quick.json" 2>&1 | tee "$OUT/bench.log" | tail -n 80 ;;
+    tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
+exit $rc
