@@ -1002,7 +1002,9 @@ def print_table(points: list[Point], by_point: list[list[dict]], providers: list
 
 
 def git_info() -> dict:
-    info: dict[str, Any] = {"commit": None, "dirty": None}
+    info: dict[str, Any] = {"commit": os.environ.get("VLLM_SM121_COMMIT"), "dirty": None}
+    if info["commit"]:  # the GPU machine receives the tree without .git: the caller passes it
+        return info
     try:
         info["commit"] = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
                                         text=True, timeout=10, check=True).stdout.strip() or None

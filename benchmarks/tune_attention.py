@@ -2,8 +2,8 @@
 
 Feeds the tables in ``vllm_sm121/platform.py`` (sm_90 numbers are measured with this script;
 sm_12x has no GPU here). gpt-oss layer shape: 64 q heads, 8 KV heads, head_dim 64, sinks, full
-and 128-token sliding-window layers. Timing: ``triton.testing.do_bench`` (cold L2: it clears a
-256 MB buffer before every repetition), median.
+and 128-token sliding-window layers. Timing: ``benchmarks/attention.py``'s Timer (cold L2, launch
+cost hidden behind a GPU sleep, so the numbers are GPU time only), median.
 
     python benchmarks/tune_attention.py [--out tune.json]
 """
@@ -42,7 +42,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/tune_attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
+    import statistics
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    from attention import Timer  # noqa: E402  (benchmarks/attention.py)
 
     from vllm_sm121.kernels.paged_attention import choose_num_splits, paged_attention
     from vllm_sm121.platform import AttnTile, family_of
@@ -55,11 +58,13 @@ def main(argv=None) -> int:
         prefill_points = prefill_points[:1]
     records = []
 
+    timer = Timer("cuda", reps=10 if args.quick else 20)
+
     def bench(inputs, tile, splits):
         fn = lambda: paged_attention(**inputs, tile=tile, num_splits=splits)  # noqa: E731
         try:
             fn()
-            return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+            return statistics.median(timer.run(fn, host_us=timer.host_us(fn, n=2)))
         except Exception as e:  # out of resources etc.
             return float("inf") if "OutOfResources" in type(e).__name__ or "resources" in str(e) else _raise(e)
 
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
                                  max_seq_len=ctx, num_q_per_kv=8, sm_count=sms)
         results = []
         for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4), (2, 3)):
-            for splits in sorted({max(1, auto // 2), auto, min(64, auto * 2)}):
+            for splits in sorted({max(1, auto // 2), auto, min(64, auto * 2), min(64, auto * 4)}):
                 t = bench(inputs, AttnTile(16, tile_n, warps, stages), splits)
                 results.append((t, tile_n, warps, stages, splits))
         results.sort()

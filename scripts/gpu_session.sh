@@ -10,7 +10,8 @@ if [ -d /tmp/vllm-bundle/site/vllm ]; then
 else
   eval "$(bash "$part/install.sh" | tail -1)" || exit 3
 fi
-pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 4; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 4; }
+python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rc=0
@@ -19,7 +20,8 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -x -m "gpu and not e2e" tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/tests.log" ;;
     alltests) python3 -m pytest -q tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 60 | tee "$OUT/alltests.log" ;;
-    e2e) VLLM_ALLOW_INSECURE_SERIALIZATION=1 python3 -m pytest -q -s tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -n 60 | tee "$OUT/e2e.log" ;;
+    e2e) python3 -m pytest -q -s tests/test_e2e_gpu.py -p no:cacheprovider > "$OUT/e2e_full.log" 2>&1; r=$?
+         grep -E "Error|error|gap|spread|passed|failed" "$OUT/e2e_full.log" | grep -v "^\s*$" | head -n 60; tail -n 5 "$OUT/e2e_full.log"; (exit $r) ;;
     bench) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -n 150 ;;
     quickbench) python3 benchmarks/attention.py --quick --out "$OUT/attention_quick.json" 2>&1 | tee "$OUT/bench.log" | tail -n 80 ;;
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;

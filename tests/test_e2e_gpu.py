@@ -37,6 +37,8 @@ def checkpoint(tmp_path_factory):
 
 def _run(checkpoint, backend, prompts, *, graphs=False, gen=0):
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # As `vllm serve` does: engine and workers are spawned, and load the plugin by entry point.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from vllm import LLM, SamplingParams
 
     kw = dict(compilation_config={"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 8}) if graphs \
@@ -59,32 +61,39 @@ def _run(checkpoint, backend, prompts, *, graphs=False, gen=0):
         torch.cuda.empty_cache()
 
 
-def _maxdiff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+def _diffs(a, b) -> tuple[float, float]:
+    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
+    return d.mean().item(), d.max().item()
 
 
-def test_sm121_matches_upstream_within_upstream_spread(checkpoint):
+@pytest.fixture(scope="module")
+def runs(checkpoint):
+    """SM121 decodes 24 tokens under FULL CUDA graphs; every backend then scores those sequences."""
     prompts = _prompts()
-    triton_lp, _, _ = _run(checkpoint, "TRITON_ATTN", prompts)
-    fa_lp, _, _ = _run(checkpoint, "FLASH_ATTN", prompts)
-    ours_lp, _, _ = _run(checkpoint, "SM121", prompts)
-    spread = _maxdiff(triton_lp, fa_lp)
-    gap = _maxdiff(ours_lp, triton_lp)
-    signal = torch.cat(triton_lp).std().item()
-    print(f"\nmax |logprob| gap SM121-vs-TRITON {gap:.4g}; upstream spread TRITON-vs-FA3 {spread:.4g}; "
-          f"logprob std across tokens {signal:.4g}")
-    assert signal > 20 * max(spread, 1e-3), "random weights too weak to make the comparison meaningful"
-    assert gap <= max(2 * spread, 1e-3) + 1e-3
-
-
-def test_sm121_full_graph_decode_matches_upstream_teacher_forced(checkpoint):
-    """SM121 decodes 24 tokens under FULL CUDA graphs; TRITON_ATTN scores the same sequences."""
-    prompts = _prompts()
-    ours_prompt_lp, gen_ids, ours_gen_lp = _run(checkpoint, "SM121", prompts, graphs=True, gen=24)
+    graph_prompt_lp, gen_ids, graph_gen_lp = _run(checkpoint, "SM121", prompts, graphs=True, gen=24)
     full = [p + g for p, g in zip(prompts, gen_ids)]
-    ref_lp, _, _ = _run(checkpoint, "TRITON_ATTN", full)
-    ref_gen = [lp[len(p) - 1:] for lp, p in zip(ref_lp, prompts)]
-    gap = _maxdiff(ours_gen_lp, ref_gen)
-    print(f"\nSM121 graph decode vs TRITON teacher-forced: max |logprob| gap {gap:.4g}")
-    assert gap < 0.05
-    assert _maxdiff(ours_prompt_lp, [lp[: len(p) - 1] for lp, p in zip(ref_lp, prompts)]) < 0.05
+    scored = {b: _run(checkpoint, b, full)[0] for b in ("TRITON_ATTN", "FLASH_ATTN", "SM121")}
+    return dict(prompts=prompts, graph_gen_lp=graph_gen_lp, scored=scored)
+
+
+def _check(what, ours, triton, fa):
+    gap, spread = _diffs(ours, triton), _diffs(fa, triton)
+    print(f"\n{what}: |logprob| gap to TRITON_ATTN mean {gap[0]:.4g} max {gap[1]:.4g}; "
+          f"upstream spread FLASH_ATTN-vs-TRITON_ATTN mean {spread[0]:.4g} max {spread[1]:.4g}")
+    assert gap[0] <= 1.5 * spread[0] + 1e-3, (gap, spread)
+    assert gap[1] <= 1.5 * spread[1] + 1e-3, (gap, spread)
+
+
+def test_prefill_chunked_teacher_forced_within_upstream_spread(runs):
+    sc = runs["scored"]
+    signal = torch.cat(sc["TRITON_ATTN"]).std().item()
+    assert signal > 5 * _diffs(sc["FLASH_ATTN"], sc["TRITON_ATTN"])[0], "weights too weak for a meaningful comparison"
+    _check("SM121 eager, chunked prefill", sc["SM121"], sc["TRITON_ATTN"], sc["FLASH_ATTN"])
+
+
+def test_full_graph_decode_within_upstream_spread(runs):
+    """The logprobs SM121 sampled with while decoding (FULL graphs) vs upstream teacher forcing."""
+    n = [len(p) - 1 for p in runs["prompts"]]
+    tail = lambda lps: [lp[k:] for lp, k in zip(lps, n)]  # noqa: E731
+    sc = runs["scored"]
+    _check("SM121 FULL-graph decode", runs["graph_gen_lp"], tail(sc["TRITON_ATTN"]), tail(sc["FLASH_ATTN"]))
