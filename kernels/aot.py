@@ -80,7 +80,8 @@ def attention_specs(family: str) -> list[Spec]:
     specs = []
     for head, kind, fp8, features in (
         (64, "decode", False, False), (64, "decode", True, True), (64, "prefill", False, True),
-        (64, "prefill", True, False), (128, "decode", False, True), (128, "prefill", False, False),
+        (64, "prefill", True, False), (64, "prefill_sw", False, True), (128, "decode", False, True),
+        (128, "prefill", False, False),
     ):
         tile = _platform.attn_tile(family, kind, head)
         gqa = 8

@@ -42,7 +42,11 @@ from .paged_attention_details._paged_attention import _combine_splits_kernel, _p
 
 MAX_SPLITS = 64
 # A split below this many KV tokens costs more in the merge than it saves.
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 64
+# Programs per SM the split count aims for. H200 sweep (benchmarks/tune_attention.py, gpt-oss
+# decode): best at 4-8 programs per SM for batch 1-8 (b1 ctx8k: 64 splits 15.7 us vs 32 splits
+# 18.1 us), 2 splits at batch 32.
+PROGRAMS_PER_SM = 4
 
 
 @dataclasses.dataclass
@@ -88,7 +92,7 @@ def choose_num_splits(
     sm_count: int,
     sliding_window: int | None = None,
 ) -> int:
-    """Splits for flash-decoding: enough programs to fill the GPU twice, >= 256 KV tokens each.
+    """Splits for flash-decoding: ~PROGRAMS_PER_SM programs per SM, >= MIN_TOKENS_PER_SPLIT KV tokens each.
 
     Only query-light batches (decode, spec-verify) split; prefill already has programs to spare.
     A sliding window bounds the KV a query block reads, whatever the context length.
@@ -99,7 +103,7 @@ def choose_num_splits(
     if sliding_window is not None:
         visible = min(visible, sliding_window + max_query_len - 1)
     programs = num_seqs * num_kv_heads
-    want = triton.cdiv(2 * sm_count, max(programs, 1))
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(programs, 1))
     cap = max(1, visible // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(want, cap, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # power of two: few kernel specialisations
@@ -187,7 +191,7 @@ def paged_attention(
     family = _platform.family_of(q)
     num_q_per_kv = num_q_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
-    kind = "decode" if max_query_len * num_q_per_kv <= 16 else "prefill"
+    kind = "decode" if max_query_len * num_q_per_kv <= 16 else ("prefill" if sliding_window is None else "prefill_sw")
     tile = tile or _platform.attn_tile(family, kind, head_pad)
     # Never more rows than the longest query needs (spec-verify 1+k would waste half a tile).
     rows = triton.next_power_of_2(max(1, max_query_len) * num_q_per_kv)

@@ -74,23 +74,35 @@ class AttnTile:
 
 
 # performance hyper-parameters
-# Keyed by (family, kind, head-size bucket). kind: "decode" (max query length <= 16 rows per
-# kv head; also spec-verify) or "prefill". Measured on H100 with benchmarks/attention.py.
+# Keyed by (family, kind, head-size bucket). kind: "decode" (<= 16 GQA-packed query rows per KV
+# head: decode, short spec-verify), "prefill", and "prefill_sw" (prefill of sliding-window
+# layers: few keys per query, so narrower KV tiles). sm_90 rows: measured with
+# benchmarks/tune_attention.py on an H200 (2026-11-26, gpt-oss shape, bf16 KV, cold L2):
+#   decode  (16, 128, 4, 3): b32 ctx8k 142.7 us vs 187.6 us for (16, 64, 4, 2); b8 ctx32k 141 vs 260
+#   prefill (64, 64, 4, 2):  2k prompt 175.8 us vs 183.4 us for (128, 64, 8, 3)
+#   prefill_sw (64, 32, 4, 2): 2k prompt, window 128: 40.8 us vs 66.6 us
 ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
     # sm_90
-    (SM90, "decode", 64): AttnTile(16, 64, 4, 2),
-    (SM90, "decode", 128): AttnTile(16, 64, 4, 2),
+    (SM90, "decode", 64): AttnTile(16, 128, 4, 3),
+    (SM90, "decode", 128): AttnTile(16, 64, 4, 3),
     (SM90, "decode", 256): AttnTile(16, 32, 4, 2),
-    (SM90, "prefill", 64): AttnTile(128, 64, 8, 3),
+    (SM90, "prefill", 64): AttnTile(64, 64, 4, 2),
     (SM90, "prefill", 128): AttnTile(128, 64, 8, 2),
     (SM90, "prefill", 256): AttnTile(64, 32, 4, 2),
-    # sm_12x: ~100 KB shared memory per block -> fewer stages for the large tiles.
-    (SM12X, "decode", 64): AttnTile(16, 64, 4, 2),
+    (SM90, "prefill_sw", 64): AttnTile(64, 32, 4, 2),
+    (SM90, "prefill_sw", 128): AttnTile(64, 32, 4, 2),
+    (SM90, "prefill_sw", 256): AttnTile(64, 32, 4, 2),
+    # sm_12x (not measured: no GB10 here): the sm_90 shapes cut to ~99 KB of shared memory per
+    # block (K+V tile bytes x stages), tests/test_aot_compile.py checks the compiled sizes.
+    (SM12X, "decode", 64): AttnTile(16, 128, 4, 2),
     (SM12X, "decode", 128): AttnTile(16, 64, 4, 2),
     (SM12X, "decode", 256): AttnTile(16, 32, 4, 2),
     (SM12X, "prefill", 64): AttnTile(64, 64, 4, 2),
     (SM12X, "prefill", 128): AttnTile(64, 64, 4, 2),
     (SM12X, "prefill", 256): AttnTile(32, 32, 4, 1),
+    (SM12X, "prefill_sw", 64): AttnTile(64, 32, 4, 2),
+    (SM12X, "prefill_sw", 128): AttnTile(64, 32, 4, 2),
+    (SM12X, "prefill_sw", 256): AttnTile(32, 32, 4, 1),
     # CPU interpreter: tiny tiles (its cost grows with tile area); TILE_N 32 > page 16 so a
     # tile spans pages, as on the GPU, and null-block masking is exercised.
     (INTERPRETER, "decode", 64): AttnTile(16, 32, 4, 1),
@@ -99,6 +111,9 @@ ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
     (INTERPRETER, "prefill", 64): AttnTile(16, 32, 4, 1),
     (INTERPRETER, "prefill", 128): AttnTile(16, 16, 4, 1),
     (INTERPRETER, "prefill", 256): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "prefill_sw", 64): AttnTile(16, 32, 4, 1),
+    (INTERPRETER, "prefill_sw", 128): AttnTile(16, 16, 4, 1),
+    (INTERPRETER, "prefill_sw", 256): AttnTile(16, 16, 4, 1),
 }
 
 # Streaming multiprocessors, for the split-KV heuristic (the launcher reads the real count
