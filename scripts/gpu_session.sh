@@ -8,8 +8,10 @@ part=$1; shift
 if [ -d /tmp/vllm-bundle/site/vllm ]; then
   export PYTHONPATH=/tmp/vllm-bundle/site PATH=/tmp/vllm-bundle/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
 else
+  [ -f "$part/install.sh" ] || { echo "no vLLM bundle here: carry $part (fresh machine)"; exit 3; }
   eval "$(bash "$part/install.sh" | tail -1)" || exit 3
 fi
+python3 -c "import vllm" || { echo "vLLM is not importable"; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 4; }
 python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
