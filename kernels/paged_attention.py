@@ -47,6 +47,9 @@ MIN_TOKENS_PER_SPLIT = 64
 # decode): best at 4-8 programs per SM for batch 1-8 (b1 ctx8k: 64 splits 15.7 us vs 32 splits
 # 18.1 us), 2 splits at batch 32.
 PROGRAMS_PER_SM = 4
+# With the GPU already filled (>= 1 program per SM), split only contexts at least this long:
+# H200, window-128 layers at batch 32: 1 split 11.4 us vs 2 splits 15.7 us (the merge launch).
+FILLED_GPU_MIN_SPLIT_TOKENS = 2048
 
 
 @dataclasses.dataclass
@@ -103,6 +106,8 @@ def choose_num_splits(
     if sliding_window is not None:
         visible = min(visible, sliding_window + max_query_len - 1)
     programs = num_seqs * num_kv_heads
+    if programs >= sm_count and visible < FILLED_GPU_MIN_SPLIT_TOKENS:
+        return 1  # every SM busy and little KV per program: the merge launch would cost more
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(programs, 1))
     cap = max(1, visible // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(want, cap, MAX_SPLITS))
