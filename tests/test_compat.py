@@ -45,3 +45,54 @@ def test_every_patch_is_listed_in_readme_and_named_by_a_shim():
     for p in PATCHES.glob("*.patch"):
         assert p.name in readme, f"{p.name} missing from patches/README.md"
         assert p.name in named, f"{p.name} is named by no shim in vllm_sm121/compat.py"
+
+
+def test_drafter_follows_sm121_target():
+    """Shim 0002 on a stand-in proposer: inherit SM121 only when the draft config names no backend."""
+    import dataclasses
+    import types
+
+    import vllm_sm121
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    vllm_sm121.register()
+
+    @dataclasses.dataclass
+    class Attn:
+        backend: object = None
+
+    @dataclasses.dataclass
+    class Cfg:
+        attention_config: Attn
+
+    class Proposer:
+        def __init__(self, target_backend, draft_backend):
+            self.vllm_config = Cfg(Attn(target_backend))
+            self.speculative_config = types.SimpleNamespace(attention_backend=draft_backend)
+
+        def _create_draft_vllm_config(self):  # upstream: never inherit
+            return Cfg(Attn(self.speculative_config.attention_backend))
+
+    fake_module = types.SimpleNamespace(SpecDecodeBaseProposer=Proposer)
+    compat._patch_create_draft_vllm_config(fake_module)
+    sm121 = AttentionBackendEnum["SM121"]
+    assert Proposer(sm121, None)._create_draft_vllm_config().attention_config.backend is sm121
+    triton = AttentionBackendEnum.TRITON_ATTN
+    assert Proposer(sm121, triton)._create_draft_vllm_config().attention_config.backend is triton
+    assert Proposer(triton, None)._create_draft_vllm_config().attention_config.backend is None
+    assert Proposer(None, None)._create_draft_vllm_config().attention_config.backend is None
+
+
+def test_post_import_hook_patches_on_first_import(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "sm121_probe_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    compat.on_import("sm121_probe_mod", lambda m: seen.append(m.VALUE))
+    assert seen == [] and "sm121_probe_mod" not in sys.modules
+    import sm121_probe_mod  # noqa: F401
+
+    assert seen == [1]
+    compat.on_import("sm121_probe_mod", lambda m: seen.append(2))  # already imported: runs now
+    assert seen == [1, 2]

@@ -10,12 +10,9 @@ registered only once it is complete.
 
 from __future__ import annotations
 
-import logging
 import threading
 
 __version__ = "0.1.0"
-
-logger = logging.getLogger("vllm_sm121")
 
 _lock = threading.Lock()
 _registered: list[str] | None = None
@@ -26,7 +23,9 @@ def _features() -> list[str]:
     from . import compat
 
     compat.register_attention_backend()
-    return [f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME})"]
+    compat.register_drafter_inherits_sm121()
+    return [f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME}; "
+            "speculative drafters follow it unless their config names a backend)"]
 
 
 def register() -> list[str]:
@@ -36,5 +35,8 @@ def register() -> list[str]:
         if _registered is None:
             _registered = _features()
             what = ", ".join(_registered) if _registered else "kernel library only (no vLLM feature enabled yet)"
-            logger.info("vllm-sm121 %s loaded: %s", __version__, what)
+            from vllm.logger import init_logger  # after vLLM configured logging (a logger made
+            # earlier would be disabled by its dictConfig)
+
+            init_logger("vllm.sm121").info("vllm-sm121 %s loaded: %s", __version__, what)
         return list(_registered)

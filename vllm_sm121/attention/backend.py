@@ -29,6 +29,9 @@ SUPPORTED_KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]
 class SM121AttentionBackend(AttentionBackend):
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = False
+    # Per-layer hyperparameters: a drafter's layers (no window, no sinks) are fine next to the
+    # target's. Read by upstream once patch 0002 lands; until then compat shim 0002 does this.
+    inherit_for_draft_models: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = SUPPORTED_KV_CACHE_DTYPES
 

@@ -8,13 +8,16 @@ without them run through the same backend.
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
+from vllm_sm121 import envs
 from vllm_sm121.kernels import paged_attention, write_kv_cache
 
 from .metadata import SM121AttentionMetadata
 
 _FP8_CACHE = ("fp8", "fp8_e4m3")
+logger = init_logger("vllm.sm121")
 
 
 class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
@@ -49,6 +52,19 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if sinks is not None and sinks.shape[0] != num_heads:
             raise ValueError(f"sinks has {sinks.shape[0]} entries; this layer has num_heads={num_heads}")
         self._sinks_f32: torch.Tensor | None = None
+        fault = envs.VLLM_SM121_FAULT
+        if fault:
+            logger.warning("SM121 attention: VLLM_SM121_FAULT=%s set: results are deliberately WRONG (tests only)", fault)
+            if fault == "drop_sinks":
+                self.sinks = None
+            elif fault == "no_window":
+                self.sliding_window = None
+        logger.info(
+            "SM121 attention layer: %d q heads / %d kv heads, head_size %d, scale %.4g, window %s, "
+            "soft-cap %s, sinks %s, kv-cache %s",
+            num_heads, self.num_kv_heads, head_size, self.scale, self.sliding_window, self.logits_soft_cap,
+            "yes" if self.sinks is not None else "no", kv_cache_dtype,
+        )
 
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         if self.sinks is not None:
