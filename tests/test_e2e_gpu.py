@@ -114,7 +114,7 @@ def runs(checkpoint):
     the sequences are then scored (teacher-forced, eager) by TRITON_ATTN and FLASH_ATTN."""
     prompts = _prompts()
     ours = {m: _run(checkpoint, "SM121", prompts, graphs=m, gen=24) for m in GRAPH_MODES}
-    _, t_ids, t_gen_lp = _run(checkpoint, "TRITON_ATTN", prompts, graphs="FULL_AND_PIECEWISE", gen=24)
+    t_prompt_lp, t_ids, t_gen_lp = _run(checkpoint, "TRITON_ATTN", prompts, graphs="FULL_AND_PIECEWISE", gen=24)
     seqs = {m: [p + g for p, g in zip(prompts, ours[m][1])] for m in GRAPH_MODES}
     batch = [x for m in GRAPH_MODES for x in seqs[m]]
     n = len(prompts)
@@ -122,7 +122,7 @@ def runs(checkpoint):
     t_all = _run(checkpoint, "TRITON_ATTN", batch + [p + g for p, g in zip(prompts, t_ids)])[0]
     fa_all = _run(checkpoint, "FLASH_ATTN", batch)[0]
     return dict(prompts=prompts, ours=ours, triton=split(t_all[: len(batch)]), fa=split(fa_all),
-                t_gen_lp=t_gen_lp, t_self=t_all[len(batch):])
+                t_gen_lp=t_gen_lp, t_self=t_all[len(batch):], t_graph_prompt_lp=t_prompt_lp)
 
 
 def _check(what, gap, spread):
@@ -146,6 +146,13 @@ def test_graph_decode_within_upstream_spread(runs, mode):
     spread = (max(fa_vs_triton[0], triton_self[0]), max(fa_vs_triton[1], triton_self[1]))
     prompt_lp, _, gen_lp = runs["ours"][mode]
     _check(f"SM121 {mode} graph decode vs TRITON_ATTN teacher-forced", _diffs(gen_lp, tail(runs["triton"][mode])), spread)
-    # The prompts of the same run (prefill, chunked; FULL mode graphs mixed batches too).
-    _check(f"SM121 {mode} prompt logprobs vs TRITON_ATTN", _diffs(prompt_lp, head(runs["triton"][mode])),
-           _diffs(head(runs["fa"][mode]), head(runs["triton"][mode])))
+    # The prompts of the same run (chunked prefill; FULL mode also graphs small mixed batches),
+    # against TRITON_ATTN's prompts under the same compilation and graph settings: the graph runs
+    # are torch.compile'd, so their norms/MoE round differently from the eager scoring runs
+    # (upstream's own compiled-vs-eager spread is part of the bound).
+    fa_vs_triton_prompt = _diffs(head(runs["fa"][mode]), head(runs["triton"][mode]))
+    triton_compiled_vs_eager = _diffs(runs["t_graph_prompt_lp"], head(runs["t_self"]))
+    spread = (max(fa_vs_triton_prompt[0], triton_compiled_vs_eager[0]),
+              max(fa_vs_triton_prompt[1], triton_compiled_vs_eager[1]))
+    _check(f"SM121 {mode} prompt logprobs vs TRITON_ATTN (graph run)",
+           _diffs(prompt_lp, runs["t_graph_prompt_lp"]), spread)

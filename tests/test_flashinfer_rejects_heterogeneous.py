@@ -3,7 +3,7 @@
 vLLM 0.26.0's ``FlashInferMetadataBuilder.__init__`` scans its group's layers with
 ``get_per_layer_parameters(vllm_config, layer_names, FlashInferImpl)`` and reduces them with
 ``infer_global_hyperparameters`` (vllm/v1/attention/backends/flashinfer.py:791-808; both in
-vllm/v1/attention/backends/utils.py:137-222). Unless every prefill and decode of the batch goes
+vllm/v1/attention/backends/utils.py:136-222). Unless every prefill and decode of the batch goes
 through TRT-LLM (SM100 family only; vllm/utils/flashinfer.py:374-394, so never on sm_121),
 ``build`` then refuses the group (flashinfer.py:1186-1205):
 
