@@ -391,6 +391,7 @@ def make_sm121(inp: Inputs, args, *, q: torch.Tensor | None = None):
     num_splits = choose_num_splits(
         num_seqs=pt.batch, num_kv_heads=NUM_KV_HEADS, max_query_len=inp.max_query_len,
         max_seq_len=split_len, num_q_per_kv=NUM_Q_HEADS // NUM_KV_HEADS, sm_count=_sm_count(inp.device),
+        sliding_window=pt.window,
     )
     workspace = (
         SplitWorkspace.allocate(pt.num_tokens, NUM_Q_HEADS, num_splits, HEAD_SIZE, inp.device) if num_splits > 1 else None

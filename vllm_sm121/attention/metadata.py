@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
-from vllm_sm121.kernels.paged_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, SplitWorkspace, choose_num_splits
+from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SplitWorkspace, choose_num_splits
 
 # Partial results the split-KV workspace holds: (tokens x splits) rows of [Hq, head_pad] fp32.
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
@@ -31,17 +31,13 @@ class SM121AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_splits: int  # for full-attention layers; windowed layers may use fewer (impl)
+    num_splits: dict  # sliding window (None: full attention) -> split-KV count for this batch
     split_acc: torch.Tensor  # persistent flat split-KV buffers
     split_ml: torch.Tensor
 
     def splits_and_workspace(self, num_q_heads: int, head_size: int, sliding_window: int | None):
-        """The split count for one layer (a window caps it) and its workspace views (graph-stable)."""
-        splits = self.num_splits
-        if sliding_window is not None and splits > 1:
-            visible = sliding_window + self.max_query_len - 1
-            while splits > 1 and visible < splits * MIN_TOKENS_PER_SPLIT:
-                splits //= 2
+        """One layer's split count (chosen by the builder for its window) and workspace views."""
+        splits = self.num_splits.get(sliding_window, 1)
         if splits == 1:
             return 1, None
         ws = SplitWorkspace.view_of(self.split_acc, self.split_ml, self.num_actual_tokens, num_q_heads, splits, head_size)
@@ -57,6 +53,10 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
         layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+        # Layers of one group may differ in window (e.g. an Eagle3 drafter layer next to
+        # gpt-oss's); each window gets its own split count, chosen here once per batch.
+        self.windows = sorted({getattr(getattr(l, "impl", None), "sliding_window", None) for l in layers.values()},
+                              key=lambda w: -1 if w is None else w) or [None]
         # Sized from the layers themselves (a drafter may differ from the target model config).
         self.num_q_heads = max((getattr(l, "num_heads", 0) for l in layers.values()), default=0) or (
             vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
@@ -70,15 +70,18 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         self._acc = torch.empty(rows * self.head_pad, dtype=torch.float32, device=device)
         self._ml = torch.empty(rows * 2, dtype=torch.float32, device=device)
 
-    def _num_splits(self, num_tokens, num_reqs, max_query_len, max_seq_len) -> int:
-        splits = choose_num_splits(
-            num_seqs=num_reqs, num_kv_heads=self.num_kv_heads, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, num_q_per_kv=max(1, self.num_q_heads // self.num_kv_heads),
-            sm_count=self.sm_count,
-        )
-        while splits > 1 and num_tokens * splits > WORKSPACE_TOKEN_SPLITS:
-            splits //= 2
-        return splits
+    def _num_splits(self, num_tokens, num_reqs, max_query_len, max_seq_len) -> dict:
+        out = {}
+        for window in self.windows:
+            splits = choose_num_splits(
+                num_seqs=num_reqs, num_kv_heads=self.num_kv_heads, max_query_len=max_query_len,
+                max_seq_len=max_seq_len, num_q_per_kv=max(1, self.num_q_heads // self.num_kv_heads),
+                sm_count=self.sm_count, sliding_window=window,
+            )
+            while splits > 1 and num_tokens * splits > WORKSPACE_TOKEN_SPLITS:
+                splits //= 2
+            out[window] = splits
+        return out
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         return self._build(common_attn_metadata, common_attn_metadata.max_seq_len)
@@ -92,7 +95,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
 
     def _build(self, cm: CommonAttentionMetadata, split_seq_len: int) -> SM121AttentionMetadata:
         num_splits = self._num_splits(cm.num_actual_tokens, cm.num_reqs, cm.max_query_len, split_seq_len)
-        assert num_splits <= MAX_SPLITS
+        assert max(num_splits.values()) <= MAX_SPLITS
         return SM121AttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,

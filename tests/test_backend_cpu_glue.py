@@ -1,0 +1,96 @@
+"""Builder -> metadata -> impl -> kernels on the CPU (Triton interpreter): the backend's glue.
+
+Two layers with different hyperparameters (a windowed layer with sinks, a full layer without)
+share one builder and one metadata object; each must get its own result, written through the
+backend's own KV-cache update, and the split-KV count is chosen per window.
+"""
+
+import types
+
+import pytest
+import torch
+
+from helpers import assert_close, make_paged_batch
+from vllm_sm121.kernels import paged_attention_torch, write_kv_cache_torch
+
+pytestmark = pytest.mark.interpreter
+
+HQ, HKV, D, BS = 8, 2, 64, 16
+
+
+@pytest.fixture
+def backend_parts(monkeypatch):
+    import vllm.config
+
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+    from vllm_sm121.attention.metadata import SM121AttentionMetadataBuilder
+
+    sinks = torch.randn(HQ)
+    impls = {
+        "model.layers.0.self_attn.attn": SM121AttentionImpl(HQ, D, 0.125, HKV, None, 16, "auto", None, "decoder",
+                                                            None, sinks=sinks),
+        "model.layers.1.self_attn.attn": SM121AttentionImpl(HQ, D, 1 / 11.3, HKV, None, None, "auto", 30.0,
+                                                            "decoder", None),
+    }
+    for impl in impls.values():
+        impl.process_weights_after_loading(torch.bfloat16)
+    layers = {n: types.SimpleNamespace(num_heads=HQ, impl=i) for n, i in impls.items()}
+    monkeypatch.setattr(vllm.config, "get_layers_from_vllm_config", lambda cfg, cls, names: layers)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(multi_processor_count=4))
+    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=4096), parallel_config=None)
+    spec = types.SimpleNamespace(num_kv_heads=HKV, head_size=D, block_size=BS)
+    builder = SM121AttentionMetadataBuilder(spec, list(impls), cfg, torch.device("cpu"))
+    return builder, impls
+
+
+def _common(b, slot_mapping):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
+        query_start_loc=b.query_start_loc, query_start_loc_cpu=b.query_start_loc, seq_lens=b.seq_lens,
+        num_reqs=b.seq_lens.shape[0], num_actual_tokens=int(b.query_start_loc[-1]), max_query_len=b.max_query_len,
+        max_seq_len=b.max_seq_len, block_table_tensor=b.block_table, slot_mapping=slot_mapping,
+    )
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [([1], [200]), ([1, 5, 20], [70, 33, 20])], ids=["decode-long", "mixed"])
+def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, q_lens, seq_lens):
+    builder, impls = backend_parts
+    b = make_paged_batch(q_lens, seq_lens, num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
+    # The new tokens' K/V go through the backend's own cache update (slots of the last q_len positions).
+    slots = []
+    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(sl - ql, sl):
+            slots.append(int(b.block_table[i, pos // BS]) * BS + pos % BS)
+    slot_mapping = torch.tensor(slots + [-1] * 3, dtype=torch.int64)  # 3 padded tokens
+    md = builder.build(0, _common(b, slot_mapping))
+    assert set(md.num_splits) == {16, None}
+    if q_lens == [1]:  # long decode: the full layer splits, the 16-token window does not
+        assert md.num_splits[None] > 1 and md.num_splits[16] == 1
+    g = torch.Generator().manual_seed(3)
+    T = b.q.shape[0]
+    for name, impl in impls.items():
+        kv_cache = torch.stack([b.key_cache, b.value_cache], dim=1).clone()  # [NB, 2, Hkv, BS, D]
+        key = torch.randn(T, HKV, D, generator=g).bfloat16()
+        value = torch.randn(T, HKV, D, generator=g).bfloat16()
+        layer = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+        impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        output = torch.full((T, HQ * D), 7.0, dtype=torch.bfloat16)
+        impl.forward(layer, b.q.view(T, HQ * D), key, value, kv_cache, md, output)
+        ref_k, ref_v = b.key_cache.clone(), b.value_cache.clone()
+        write_kv_cache_torch(key, value, ref_k, ref_v, slot_mapping)
+        ref = paged_attention_torch(b.q, ref_k, ref_v, b.block_table, b.query_start_loc, b.seq_lens, scale=impl.scale,
+                                    sliding_window=impl.sliding_window, softcap=impl.logits_soft_cap,
+                                    sinks=impl._sinks_f32)
+        n = int(b.query_start_loc[-1])
+        assert_close(output[:n].view(n, HQ, D), ref[:n], what=name)
+        torch.testing.assert_close(kv_cache[:, 0], ref_k, rtol=0, atol=0, equal_nan=True)  # null block 0 is NaN
+        torch.testing.assert_close(kv_cache[:, 1], ref_v, rtol=0, atol=0, equal_nan=True)
+        assert (output[n:] == 7.0).all(), "graph-padding rows were written"
+
+
+def test_profile_run_without_metadata_returns_output(backend_parts):
+    _, impls = backend_parts
+    impl = next(iter(impls.values()))
+    out = torch.zeros(4, HQ * D, dtype=torch.bfloat16)
+    assert impl.forward(None, out, None, None, None, None, out) is out
