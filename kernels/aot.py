@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from vllm_sm121 import platform as _platform
 
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
+from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
 # Instructions that exist on sm_90 but not on sm_12x (consumer/GB10 Blackwell).
@@ -121,8 +122,17 @@ def kv_cache_specs(family: str) -> list[Spec]:
     return specs
 
 
+def nvfp4_specs(family: str) -> list[Spec]:
+    return [
+        Spec(name="nvfp4_quantize[d64]", fn=_nvfp4_quantize_kernel, constexprs=dict(NUM_BLOCKS=4),
+             ptr_types=dict(x_ptr="*bf16", packed_ptr="*u8", scales_ptr="*u8"), num_warps=1),
+        Spec(name="nvfp4_dequantize[d64]", fn=_nvfp4_dequantize_kernel, constexprs=dict(NUM_BLOCKS=4),
+             ptr_types=dict(packed_ptr="*u8", scales_ptr="*u8"), num_warps=1),
+    ]
+
+
 def all_specs(family: str) -> list[Spec]:
-    return attention_specs(family) + kv_cache_specs(family)
+    return attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family)
 
 
 def compile_spec(spec: Spec, arch: int) -> Result:

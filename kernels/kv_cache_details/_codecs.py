@@ -44,3 +44,35 @@ def e4m3_encode(x):
     code = tl.where(neg, code | 0x80, code)
     code = tl.where(is_nan, 0x7F, code)
     return code.to(tl.uint8)
+
+
+@triton.jit
+def e2m1_encode(x):
+    """fp32 (already divided by its scale) -> e2m1 nibble (uint8 0..15): RNE, saturating to +-6.
+
+    Magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} are codes 0..7; bit 3 is the sign. Ties go to the
+    even code: .25->0, .75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4.
+    """
+    a = tl.abs(x)
+    neg = (x.to(tl.uint32, bitcast=True) >> 31) == 1
+    code = tl.where(a > 0.25, 1, 0)
+    code = tl.where(a >= 0.75, 2, code)
+    code = tl.where(a > 1.25, 3, code)
+    code = tl.where(a >= 1.75, 4, code)
+    code = tl.where(a > 2.5, 5, code)
+    code = tl.where(a >= 3.5, 6, code)
+    code = tl.where(a > 5.0, 7, code)
+    code = tl.where(neg & (code > 0), code | 8, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def e2m1_decode(code):
+    """e2m1 nibble (any int, low 4 bits) -> fp32."""
+    c = code.to(tl.int32) & 0xF
+    mag = c & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    # subnormal (e == 0): m * 0.5; normal: (1 + m/2) * 2**(e-1)
+    val = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * _pow2(e - 1))
+    return tl.where((c & 8) != 0, -val, val)
