@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from vllm_sm121 import platform as _platform
 
+from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
@@ -93,13 +94,23 @@ def attention_specs(family: str) -> list[Spec]:
             constexprs=dict(
                 NUM_Q_PER_KV=gqa, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                 BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
-                USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8,
+                USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
                 NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False,
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         ))
+    tile = _platform.attn_tile(family, "decode", 64)
+    specs.append(Spec(
+        name="paged_attention[decode,d64,nvfp4,all-features]", fn=_paged_attention_kernel,
+        constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
+                        BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
+                        USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False),
+        ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
+                       v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    ))
     specs.append(Spec(
         name="combine_splits[d64,sinks]", fn=_combine_splits_kernel,
         constexprs=dict(HEAD_SIZE=64, HEAD_PAD=64, NUM_SPLITS=8, USE_SINKS=True, KV_FP8=True),
@@ -124,6 +135,10 @@ def kv_cache_specs(family: str) -> list[Spec]:
 
 def nvfp4_specs(family: str) -> list[Spec]:
     return [
+        Spec(name="fp4_kv_write[d64,8 heads]", fn=_fp4_kv_write_kernel,
+             constexprs=dict(NUM_KV_HEADS=8, BLOCK_SIZE=16, HEAD=64),
+             ptr_types=dict(key_ptr="*bf16", value_ptr="*bf16", k_data_ptr="*u8", k_scale_ptr="*u8",
+                            v_data_ptr="*u8", v_scale_ptr="*u8", slot_mapping_ptr="*i64"), num_warps=1),
         Spec(name="nvfp4_quantize[d64]", fn=_nvfp4_quantize_kernel, constexprs=dict(NUM_BLOCKS=4),
              ptr_types=dict(x_ptr="*bf16", packed_ptr="*u8", scales_ptr="*u8"), num_warps=1),
         Spec(name="nvfp4_dequantize[d64]", fn=_nvfp4_dequantize_kernel, constexprs=dict(NUM_BLOCKS=4),

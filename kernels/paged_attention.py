@@ -38,6 +38,7 @@ import triton
 from vllm_sm121 import platform as _platform
 
 from . import _validate as V
+from .fp4_kv import Nvfp4Pages
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
 MAX_SPLITS = 64
@@ -141,12 +142,17 @@ def paged_attention(
     ``tile`` overrides the per-architecture tile table (tuning, tests).
     """
     # ---- validation ---------------------------------------------------------------------------
+    kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
+    if kv_nvfp4 != isinstance(value_cache, Nvfp4Pages):
+        raise ValueError("key_cache and value_cache must both be Nvfp4Pages or both be tensors")
+    if kv_nvfp4:
+        return _paged_attention_nvfp4(q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                      max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+                                      sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
+                                      num_splits=num_splits, workspace=workspace, tile=tile)
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
     V.check_ndim("key_cache", key_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
     V.check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
-    V.check_ndim("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
-    V.check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    V.check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
     V.check_dtype("q", q, V.ACT_DTYPES)
     V.check_dtype("key_cache", key_cache, V.ACT_DTYPES + V.FP8_DTYPES)
     if value_cache.dtype != key_cache.dtype:
@@ -154,10 +160,8 @@ def paged_attention(
     kv_fp8 = key_cache.dtype in V.FP8_DTYPES
     if not kv_fp8 and key_cache.dtype != q.dtype:
         raise ValueError(f"key_cache.dtype={key_cache.dtype} must equal q.dtype={q.dtype} (or be float8_e4m3fn)")
-    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        V.check_dtype(name, t, (torch.int32,))
-    num_tokens, num_q_heads, head_size = q.shape
-    num_blocks, num_kv_heads, block_size, kv_head_size = key_cache.shape
+    head_size = q.shape[2]
+    num_kv_heads, block_size, kv_head_size = key_cache.shape[1:]
     V.check_head_size(head_size)
     V.check_block_size(block_size)
     if kv_head_size != head_size or value_cache.shape != key_cache.shape:
@@ -165,6 +169,27 @@ def paged_attention(
             f"cache shapes key_cache={tuple(key_cache.shape)}, value_cache={tuple(value_cache.shape)} "
             f"disagree with q head_size={head_size}"
         )
+    out = _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out)
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("k_scale and v_scale are required for an fp8 KV cache")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        V.check_last_dim_contiguous(name, t)
+    V.check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                        query_start_loc=query_start_loc, seq_lens=seq_lens, sinks=sinks)
+    return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
+                   kv_fp8=kv_fp8, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len,
+                   max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                   sinks=sinks, out=out, num_splits=num_splits, workspace=workspace, tile=tile)
+
+
+def _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out):
+    """Checks shared by every cache format; returns ``out`` (allocated if None)."""
+    V.check_ndim("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    V.check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    V.check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        V.check_dtype(name, t, (torch.int32,))
+    num_q_heads = q.shape[1]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     num_seqs = seq_lens.shape[0]
@@ -179,19 +204,41 @@ def paged_attention(
         raise ValueError(f"softcap={softcap} must be > 0 or None")
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads):
         raise ValueError(f"sinks must have shape [num_q_heads={num_q_heads}], got {tuple(sinks.shape)}")
-    if kv_fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("k_scale and v_scale are required for an fp8 KV cache")
-    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        V.check_last_dim_contiguous(name, t)
-    V.check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
-                        query_start_loc=query_start_loc, seq_lens=seq_lens, sinks=sinks)
     if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must match q: shape {tuple(q.shape)} dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_start_loc, seq_lens, *,
+                           max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out, num_splits,
+                           workspace, tile):
+    V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
+    V.check_dtype("q", q, V.ACT_DTYPES)
+    head_size = q.shape[2]
+    if k.shape != v.shape or k.shape[3] != head_size:
+        raise ValueError(f"nvfp4 pages k={k.shape} v={v.shape} disagree with q head_size={head_size}")
+    if head_size % 16 or head_size & (head_size - 1):
+        raise ValueError(f"head_size={head_size} is not supported by the nvfp4 KV cache; supported: 16, 32, 64, 128, 256")
+    V.check_block_size(k.shape[2])
+    V.check_last_dim_contiguous("q", q)
+    out = _check_common(q, k.shape[1], block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out)
+    return _launch(q, k.data, v.data, k.scales.view(torch.uint8), v.scales.view(torch.uint8), block_table,
+                   query_start_loc, seq_lens, kv_fp8=False, kv_nvfp4=True, k_scale=k.global_scale,
+                   v_scale=v.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+                   sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out, num_splits=num_splits,
+                   workspace=workspace, tile=tile)
+
+
+def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_start_loc, seq_lens, *, kv_fp8,
+            kv_nvfp4, k_scale, v_scale, max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out,
+            num_splits, workspace, tile):
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-
     # ---- performance hyper-parameters ---------------------------------------------------------
     family = _platform.family_of(q)
     num_q_per_kv = num_q_heads // num_kv_heads
@@ -213,8 +260,11 @@ def paged_attention(
 
     # ---- launch -------------------------------------------------------------------------------
     dummy = q.new_empty(1, dtype=torch.float32)
-    k_scale_t = V.scale_tensor("k_scale", k_scale, q.device) if kv_fp8 else dummy
-    v_scale_t = V.scale_tensor("v_scale", v_scale, q.device) if kv_fp8 else dummy
+    scaled = kv_fp8 or kv_nvfp4
+    k_scale_t = V.scale_tensor("k_scale", k_scale, q.device) if scaled else dummy
+    v_scale_t = V.scale_tensor("v_scale", v_scale, q.device) if scaled else dummy
+    k_bs = k_bscale if kv_nvfp4 else dummy
+    v_bs = v_bscale if kv_nvfp4 else dummy
     sinks_t = sinks if sinks is not None else dummy
     if num_splits > 1:
         if workspace is None:
@@ -230,17 +280,19 @@ def paged_attention(
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, part_acc, part_ml, q, key_cache, value_cache,
+        out, part_acc, part_ml, q, key_cache, value_cache, k_bs, v_bs,
         block_table, seq_lens, query_start_loc, sinks_t, k_scale_t, v_scale_t,
         float(scale), float(softcap or 0.0), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        k_bs.stride(0) if kv_nvfp4 else 0, k_bs.stride(1) if kv_nvfp4 else 0,
+        v_bs.stride(0) if kv_nvfp4 else 0, v_bs.stride(1) if kv_nvfp4 else 0,
         block_table.stride(0),
         NUM_Q_PER_KV=num_q_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
         SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=softcap is not None,
-        USE_SINKS=sinks is not None, KV_FP8=kv_fp8, NUM_SPLITS=num_splits,
+        USE_SINKS=sinks is not None, KV_FP8=kv_fp8, KV_NVFP4=kv_nvfp4, NUM_SPLITS=num_splits,
         DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -249,7 +301,7 @@ def paged_attention(
             out, part_acc, part_ml, query_start_loc, sinks_t, v_scale_t,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            USE_SINKS=sinks is not None, KV_FP8=kv_fp8,
+            USE_SINKS=sinks is not None, KV_FP8=scaled,
             num_warps=1 if head_pad <= 64 else 2,
         )
     return out
@@ -272,6 +324,9 @@ def paged_attention_torch(
     **_perf_args,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 math), same arguments as ``paged_attention``."""
+    if isinstance(key_cache, Nvfp4Pages):
+        key_cache, value_cache = key_cache.dequantize(), value_cache.dequantize()
+        k_scale = v_scale = None
     out = torch.zeros_like(q)
     num_q_heads, num_kv_heads = q.shape[1], key_cache.shape[1]
     group = num_q_heads // num_kv_heads

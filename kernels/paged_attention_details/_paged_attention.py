@@ -15,6 +15,8 @@ so no TMA).
 import triton
 import triton.language as tl
 
+from ..fp4_kv_details._fp4_kv import dequantize_tile
+
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 
 
@@ -43,14 +45,16 @@ def _paged_attention_kernel(
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1)
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32: running max (log2 domain), sum
     q_ptr,  # [T, Hq, HEAD_SIZE]
-    k_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE]
-    v_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE]
+    k_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE] (KV_NVFP4: uint8 [.., HEAD_SIZE // 2] data)
+    v_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE] (KV_NVFP4: uint8 [.., HEAD_SIZE // 2] data)
+    k_bscale_ptr,  # KV_NVFP4: uint8 e4m3 [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE // 16] block scales
+    v_bscale_ptr,  # KV_NVFP4: same for V
     block_table_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32: context + new tokens
     query_start_loc_ptr,  # [num_seqs + 1] int32
     sinks_ptr,  # [Hq] fp32 (USE_SINKS)
-    k_scale_ptr,  # [1] fp32 (KV_FP8)
-    v_scale_ptr,  # [1] fp32 (KV_FP8)
+    k_scale_ptr,  # [1] fp32 (KV_FP8: per-tensor scale; KV_NVFP4: global scale)
+    v_scale_ptr,  # [1] fp32 (KV_FP8: per-tensor scale; KV_NVFP4: global scale)
     sm_scale,  # fp32: softmax scale
     softcap,  # fp32 (USE_SOFTCAP)
     num_seqs,  # int32
@@ -64,6 +68,10 @@ def _paged_attention_kernel(
     stride_v_b: tl.int64,
     stride_v_h: tl.int64,
     stride_v_t: tl.int64,
+    stride_kb_b: tl.int64,  # KV_NVFP4 block-scale strides (page, head); token stride is HEAD_SIZE // 16
+    stride_kb_h: tl.int64,
+    stride_vb_b: tl.int64,
+    stride_vb_h: tl.int64,
     stride_bt: tl.int64,
     NUM_Q_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -76,6 +84,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_NVFP4: tl.constexpr,  # e2m1 pages + e4m3 block scales, dequantized in registers
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
 ):
@@ -124,7 +133,7 @@ def _paged_attention_kernel(
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     qk_scale = sm_scale
-    if KV_FP8:
+    if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     if not USE_SOFTCAP:
         qk_scale = qk_scale * RCP_LN2  # work in the log2 domain directly
@@ -148,16 +157,31 @@ def _paged_attention_kernel(
         n_ok = (offs_n >= kv_begin) & (offs_n < kv_end)
         page = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        if KV_NVFP4:
+            # Packed bytes and block scales of TILE_N tokens; decoded (exactly) into q's dtype.
+            offs_hb = tl.arange(0, HEAD_SIZE // 2)
+            offs_sb = tl.arange(0, HEAD_SIZE // 16)
+            kq = tl.load(k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_hb[None, :],
+                         mask=n_ok[:, None], other=0)
+            ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[:, None] * stride_kb_b
+                         + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
+            vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_hb[None, :],
+                         mask=n_ok[:, None], other=0)
+            vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
+                         + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
+            k = tl.trans(dequantize_tile(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
+            v = dequantize_tile(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
+        else:
+            k = tl.load(
+                k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -187,7 +211,7 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
-        if KV_FP8:
+        if KV_FP8 or KV_NVFP4:
             o = o * tl.load(v_scale_ptr)
         tl.store(
             out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],

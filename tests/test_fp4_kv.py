@@ -1,0 +1,96 @@
+"""NVFP4 KV-cache write: page views match vLLM's page size; the kernel writes the reference's bytes."""
+
+import pytest
+import torch
+
+from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, fp4_kv_write, fp4_kv_write_torch, nvfp4_full_dim
+
+pytestmark = pytest.mark.interpreter
+
+
+def test_full_dim_matches_vllm_formula():
+    from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+
+    for hs in (64, 128, 256):
+        assert nvfp4_full_dim(hs) == nvfp4_kv_cache_full_dim(hs)
+
+
+@pytest.mark.parametrize("num_kv_heads,head_size,block_size", [(2, 64, 16), (1, 128, 32)])
+def test_write_matches_reference(device, num_kv_heads, head_size, block_size):
+    g = torch.Generator().manual_seed(0)
+    nb, T = 4, 6
+    cache = torch.zeros(nb, 2, num_kv_heads * block_size * nvfp4_full_dim(head_size), dtype=torch.uint8)
+    gk, gv = torch.tensor([5.0 / 2688]), torch.tensor([5e-3 / 2688])  # amax / (6 * 448), with margin
+    key = (torch.randn(T, num_kv_heads, head_size, generator=g)).bfloat16()
+    value = (torch.randn(T, num_kv_heads, head_size, generator=g) * 1e-3).bfloat16()  # gpt-oss-like tiny
+    slots = torch.randperm(nb * block_size, generator=g)[:T]
+    slots[1] = -1
+    ref = cache.clone()
+    pages = lambda c, d: (Nvfp4Pages.view(c[:, 0], num_kv_heads, block_size, head_size, gk.to(d)),  # noqa: E731
+                          Nvfp4Pages.view(c[:, 1], num_kv_heads, block_size, head_size, gv.to(d)))
+    fp4_kv_write_torch(key, value, *pages(ref, "cpu"), slots)
+    dev_cache = cache.to(device)
+    fp4_kv_write(key.to(device), value.to(device), *pages(dev_cache, device), slots.to(device))
+    torch.testing.assert_close(dev_cache.cpu(), ref, rtol=0, atol=0)
+    # The written tokens decode close to what was written (K: unit scale, V: 1e-3 scale, both in range).
+    kp, vp = pages(ref, "cpu")
+    for t in range(T):
+        s = int(slots[t])
+        if s < 0:
+            continue
+        k_back = kp.dequantize()[s // block_size, :, s % block_size]
+        v_back = vp.dequantize()[s // block_size, :, s % block_size]
+        assert (k_back - key[t].float()).abs().max() <= key[t].float().abs().max() / 4
+        assert (v_back - value[t].float()).abs().max() <= value[t].float().abs().max() / 4
+    assert ref.count_nonzero() > 0
+
+
+def test_page_view_rejects_wrong_size():
+    side = torch.zeros(3, 100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="holds 100 bytes"):
+        Nvfp4Pages.view(side, 2, 16, 64, torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("kind,q_lens,seq_lens,window,splits", [
+    ("decode", [1, 1], [40, 17], None, None),
+    ("mixed", [1, 6, 20], [50, 30, 20], 16, None),
+    ("decode-split", [1], [70], None, 2),
+])
+def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits):
+    """The attention kernel dequantizes NVFP4 pages in registers: it matches the reference on the
+    same pages (dequantized by torch), so the tolerance measures the kernel only."""
+    from helpers import assert_close
+    from vllm_sm121.kernels import paged_attention, paged_attention_torch
+
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    pages_needed = sum((s + bs - 1) // bs for s in seq_lens)
+    nb = pages_needed + 2
+    cache = torch.zeros(nb, 2, hkv * bs * nvfp4_full_dim(d), dtype=torch.uint8)
+    gk, gv = torch.tensor([5.0 / 2688]), torch.tensor([5.0 / 2688])
+    kp = Nvfp4Pages.view(cache[:, 0], hkv, bs, d, gk)
+    vp = Nvfp4Pages.view(cache[:, 1], hkv, bs, d, gv)
+    # Fill every token of every sequence through the reference writer.
+    block_table = torch.zeros(len(seq_lens), max((s + bs - 1) // bs for s in seq_lens), dtype=torch.int32)
+    nxt = 1
+    slots = []
+    for i, s in enumerate(seq_lens):
+        for p in range((s + bs - 1) // bs):
+            block_table[i, p] = nxt
+            nxt += 1
+        slots += [int(block_table[i, t // bs]) * bs + t % bs for t in range(s)]
+    kv = torch.randn(len(slots), 2, hkv, d, generator=g).bfloat16()
+    fp4_kv_write_torch(kv[:, 0], kv[:, 1], kp, vp, torch.tensor(slots))
+    q = torch.randn(sum(q_lens), hq, d, generator=g).bfloat16()
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    sinks = torch.randn(hq, generator=g)
+    ref = paged_attention_torch(q, kp, vp, block_table, qsl, sl, scale=0.125, sliding_window=window, sinks=sinks)
+    dev = lambda t: t.to(device)  # noqa: E731
+    dcache = dev(cache)
+    kpd = Nvfp4Pages.view(dcache[:, 0], hkv, bs, d, dev(gk))
+    vpd = Nvfp4Pages.view(dcache[:, 1], hkv, bs, d, dev(gv))
+    out = paged_attention(dev(q), kpd, vpd, dev(block_table), dev(qsl), dev(sl), max_query_len=max(q_lens),
+                          max_seq_len=max(seq_lens), scale=0.125, sliding_window=window, sinks=dev(sinks),
+                          num_splits=splits)
+    assert_close(out.cpu(), ref, what=kind)
