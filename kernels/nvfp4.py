@@ -93,5 +93,6 @@ def nvfp4_dequantize_torch(packed: torch.Tensor, scales: torch.Tensor, global_sc
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
     p = packed.long()
     vals = torch.stack([lut[p & 15], lut[p >> 4]], dim=-1).view(packed.shape[0], -1)
-    scale = scales.float() * float(global_scale)
-    return (vals.view(packed.shape[0], -1, BLOCK) * scale[..., None]).view(packed.shape[0], -1)
+    # (e2m1 * block scale) is exact in fp32; the global scale is applied last (one rounding), as the kernels do.
+    blocks = vals.view(packed.shape[0], -1, BLOCK) * scales.float()[..., None]
+    return (blocks * float(global_scale)).view(packed.shape[0], -1)

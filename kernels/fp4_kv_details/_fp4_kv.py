@@ -3,30 +3,7 @@
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import e2m1_decode, e2m1_encode, e4m3_encode
-
-
-@triton.jit
-def _quantize_rows(x, g, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-    """x [ROWS, NUM_BLOCKS*16] fp32 -> (packed [ROWS, NUM_BLOCKS*8] uint8, scale codes [ROWS, NUM_BLOCKS] uint8)."""
-    xb = tl.reshape(x, [ROWS, NUM_BLOCKS, 16])
-    amax = tl.max(tl.abs(xb), axis=2)
-    s_code = e4m3_encode(tl.math.div_rn(amax, 6.0 * g))
-    denom = s_code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * g
-    safe = tl.where(denom > 0.0, denom, 1.0)
-    q = tl.where(denom[:, :, None] > 0.0, tl.math.div_rn(xb, safe[:, :, None]), 0.0)
-    codes = e2m1_encode(q).to(tl.int32)
-    lo, hi = tl.split(tl.reshape(codes, [ROWS, NUM_BLOCKS * 8, 2]))
-    return (lo | (hi << 4)).to(tl.uint8), s_code
-
-
-@triton.jit
-def dequantize_tile(packed, s_codes, NUM_ROWS: tl.constexpr, HEAD: tl.constexpr):
-    """packed [NUM_ROWS, HEAD/2] uint8 + scale codes [NUM_ROWS, HEAD/16] -> [NUM_ROWS, HEAD] fp32 (no global scale)."""
-    p = packed.to(tl.int32)
-    vals = tl.reshape(tl.join(e2m1_decode(p), e2m1_decode(p >> 4)), [NUM_ROWS, HEAD // 16, 16])
-    s = s_codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.reshape(vals * s[:, :, None], [NUM_ROWS, HEAD])
+from ..kv_cache_details._codecs import nvfp4_quantize_rows
 
 
 @triton.jit
@@ -70,6 +47,6 @@ def _fp4_kv_write_kernel(
         else:
             src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = value_ptr, stride_v_h, stride_v_t, v_data_ptr, v_scale_ptr, stride_vd_b, stride_vs_b, v_global_ptr
         x = tl.load(src + tok * st + offs_h[:, None] * sh + offs_d[None, :]).to(tl.float32)
-        packed, s_code = _quantize_rows(x, tl.load(g_ptr), NUM_KV_HEADS, HEAD // 16)
+        packed, s_code = nvfp4_quantize_rows(x, tl.load(g_ptr), NUM_KV_HEADS, HEAD // 16)
         tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed)
         tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code)

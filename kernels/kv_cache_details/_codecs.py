@@ -76,3 +76,26 @@ def e2m1_decode(code):
     # subnormal (e == 0): m * 0.5; normal: (1 + m/2) * 2**(e-1)
     val = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * _pow2(e - 1))
     return tl.where((c & 8) != 0, -val, val)
+
+
+@triton.jit
+def nvfp4_quantize_rows(x, g, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """x [ROWS, NUM_BLOCKS*16] fp32 -> (packed [ROWS, NUM_BLOCKS*8] uint8, scale codes [ROWS, NUM_BLOCKS] uint8)."""
+    xb = tl.reshape(x, [ROWS, NUM_BLOCKS, 16])
+    amax = tl.max(tl.abs(xb), axis=2)
+    s_code = e4m3_encode(tl.math.div_rn(amax, 6.0 * g))
+    denom = s_code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * g
+    safe = tl.where(denom > 0.0, denom, 1.0)
+    q = tl.where(denom[:, :, None] > 0.0, tl.math.div_rn(xb, safe[:, :, None]), 0.0)
+    codes = e2m1_encode(q).to(tl.int32)
+    lo, hi = tl.split(tl.reshape(codes, [ROWS, NUM_BLOCKS * 8, 2]))
+    return (lo | (hi << 4)).to(tl.uint8), s_code
+
+
+@triton.jit
+def nvfp4_dequantize_rows(packed, s_codes, NUM_ROWS: tl.constexpr, HEAD: tl.constexpr):
+    """packed [NUM_ROWS, HEAD/2] uint8 + scale codes [NUM_ROWS, HEAD/16] -> [NUM_ROWS, HEAD] fp32 (no global scale)."""
+    p = packed.to(tl.int32)
+    vals = tl.reshape(tl.join(e2m1_decode(p), e2m1_decode(p >> 4)), [NUM_ROWS, HEAD // 16, 16])
+    s = s_codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(vals * s[:, :, None], [NUM_ROWS, HEAD])

@@ -15,7 +15,7 @@ so no TMA).
 import triton
 import triton.language as tl
 
-from ..fp4_kv_details._fp4_kv import dequantize_tile
+from ..kv_cache_details._codecs import nvfp4_dequantize_rows
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 
@@ -169,8 +169,8 @@ def _paged_attention_kernel(
                          mask=n_ok[:, None], other=0)
             vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
                          + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
-            k = tl.trans(dequantize_tile(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
-            v = dequantize_tile(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
+            k = tl.trans(nvfp4_dequantize_rows(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
+            v = nvfp4_dequantize_rows(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
         else:
             k = tl.load(
                 k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],

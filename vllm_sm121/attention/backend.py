@@ -21,8 +21,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
 
 from vllm_sm121 import compat, platform
-
-SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 256)  # == kernels/_validate.py
+from vllm_sm121.kernels._validate import SUPPORTED_HEAD_SIZES
 SUPPORTED_KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]
 
 
