@@ -30,7 +30,6 @@ Limitations
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import triton
