@@ -24,6 +24,7 @@ from vllm_sm121 import platform as _platform
 
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
+from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
 from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
@@ -69,7 +70,7 @@ def _signature(spec: Spec) -> tuple[dict, dict]:
             sig[name] = spec.ptr_types.get(name, "*fp32")
         elif name.startswith("stride"):
             sig[name] = "i64"
-        elif name in ("sm_scale", "softcap"):
+        elif name in ("sm_scale", "softcap", "eps"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -146,8 +147,14 @@ def nvfp4_specs(family: str) -> list[Spec]:
     ]
 
 
+def norm_specs(family: str) -> list[Spec]:
+    return [Spec(name="add_rmsnorm_mxfp8[H2880]", fn=_add_rmsnorm_mxfp8_kernel, constexprs=dict(H=2880, BLOCK_H=4096),
+                 ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8",
+                                s_ptr="*u8"), num_warps=4)]
+
+
 def all_specs(family: str) -> list[Spec]:
-    return attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family)
+    return attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
 
 
 def compile_spec(spec: Spec, arch: int) -> Result:

@@ -99,3 +99,32 @@ def nvfp4_dequantize_rows(packed, s_codes, NUM_ROWS: tl.constexpr, HEAD: tl.cons
     vals = tl.reshape(tl.join(e2m1_decode(p), e2m1_decode(p >> 4)), [NUM_ROWS, HEAD // 16, 16])
     s = s_codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return tl.reshape(vals * s[:, :, None], [NUM_ROWS, HEAD])
+
+
+@triton.jit
+def mxfp8_quantize_rows(y, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """y [ROWS, NUM_BLOCKS*32] fp32 -> (e4m3 bytes [ROWS, NUM_BLOCKS*32] uint8, e8m0 bytes [ROWS, NUM_BLOCKS]).
+
+    MXFP8 (OCP MX): one power-of-two scale per 32 elements, the smallest 2**e with
+    amax <= 448 * 2**e (so nothing saturates); all-zero blocks get byte 0 (2**-127) and zeros.
+    """
+    yb = tl.reshape(y, [ROWS, NUM_BLOCKS, 32])
+    amax = tl.max(tl.abs(yb), axis=2)
+    k = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127  # floor(log2(amax))
+    e = tl.where(amax > 1.75 * _pow2(tl.maximum(k, -126)), k - 7, k - 8)  # 448 * 2**(k-8) = 1.75 * 2**k
+    e = tl.where(amax > 0.0, tl.minimum(tl.maximum(e, -127), 127), -127)
+    inv = _pow2(tl.minimum(-e, 127))  # exact: a power of two
+    codes = e4m3_encode(yb * inv[:, :, None])
+    return tl.reshape(codes, [ROWS, NUM_BLOCKS * 32]), (e + 127).to(tl.uint8)
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, in integer ops (finite inputs).
+
+    Triton's CPU interpreter truncates fp32 -> bf16; doing the rounding here makes the interpreter
+    and the GPU (where this is a few integer ops next to a memory-bound load) give the same bits.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)

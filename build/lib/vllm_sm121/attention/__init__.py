@@ -1,0 +1,1 @@
+"""The SM121 attention backend: ``--attention-backend SM121``."""

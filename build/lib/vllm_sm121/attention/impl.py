@@ -1,0 +1,110 @@
+"""SM121AttentionImpl: one layer's hyperparameters plus the calls into the Triton kernels.
+
+Each layer keeps its own scale, sliding window, logits soft-cap and sinks; nothing is shared
+or planned globally, so gpt-oss's windowed/full layers with sinks and an Eagle3 drafter layer
+without them run through the same backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+from vllm_sm121 import envs
+from vllm_sm121.kernels import paged_attention, write_kv_cache
+
+from .metadata import SM121AttentionMetadata
+
+_FP8_CACHE = ("fp8", "fp8_e4m3")
+logger = init_logger("vllm.sm121")
+
+
+class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **kwargs,
+    ) -> None:
+        if alibi_slopes is not None:
+            raise ValueError("SM121 attention does not support ALiBi; use another --attention-backend")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"SM121 attention supports decoder self-attention only, got attn_type={attn_type}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap if logits_soft_cap else None
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = sinks
+        if sinks is not None and sinks.shape[0] != num_heads:
+            raise ValueError(f"sinks has {sinks.shape[0]} entries; this layer has num_heads={num_heads}")
+        self._sinks_f32: torch.Tensor | None = None
+        fault = envs.VLLM_SM121_FAULT
+        if fault:
+            logger.warning("SM121 attention: VLLM_SM121_FAULT=%s set: results are deliberately WRONG (tests only)", fault)
+            if fault == "drop_sinks":
+                self.sinks = None
+            elif fault == "no_window":
+                self.sliding_window = None
+        logger.info(
+            "SM121 attention layer: %d q heads / %d kv heads, head_size %d, scale %.4g, window %s, "
+            "soft-cap %s, sinks %s, kv-cache %s",
+            num_heads, self.num_kv_heads, head_size, self.scale, self.sliding_window, self.logits_soft_cap,
+            "yes" if self.sinks is not None else "no", kv_cache_dtype,
+        )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype):
+        if self.sinks is not None:
+            # Loaded after __init__; keep an fp32 copy so forward() launches nothing extra.
+            self._sinks_f32 = self.sinks.detach().float().contiguous()
+
+    def _kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv_cache_dtype in _FP8_CACHE:
+            kv_cache = kv_cache.view(torch.float8_e4m3fn)
+        return kv_cache[:, 0], kv_cache[:, 1]
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if self.kv_sharing_target_layer_name is not None:
+            return
+        key_cache, value_cache = self._kv(kv_cache)
+        n = min(key.shape[0], slot_mapping.shape[0])
+        fp8 = self.kv_cache_dtype in _FP8_CACHE
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n],
+                       k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("SM121 attention does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        md: SM121AttentionMetadata = attn_metadata
+        n = md.num_actual_tokens
+        key_cache, value_cache = self._kv(kv_cache)
+        sinks = self._sinks_f32 if self._sinks_f32 is not None else (
+            self.sinks.float() if self.sinks is not None else None)
+        fp8 = self.kv_cache_dtype in _FP8_CACHE
+        num_splits, workspace = md.splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        paged_attention(
+            q, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
+            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=self.scale,
+            sliding_window=self.sliding_window, softcap=self.logits_soft_cap, sinks=sinks,
+            k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None,
+            out=out, num_splits=num_splits, workspace=workspace,
+        )
+        return output

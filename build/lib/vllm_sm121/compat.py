@@ -1,0 +1,136 @@
+"""The only module that touches vLLM private surfaces.
+
+Each touch is an explicit step with a register entry (symbol, why, how, upstream patch, removal
+plan) and a matching diff under ``patches/vllm/``; ``tests/test_compat.py`` checks that each
+named patch exists and applies to the installed vLLM 0.26.0 source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKEND_NAME = "SM121"
+BACKEND_CLASS_PATH = "vllm_sm121.attention.backend.SM121AttentionBackend"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shim:
+    symbol: str
+    why: str
+    how: str
+    patch: str  # file under patches/vllm/
+    removal: str
+
+
+SHIMS: list[Shim] = [
+    Shim(
+        symbol="vllm.v1.attention.backends.registry.AttentionBackendEnum (name lookup)",
+        why="`--attention-backend SM121` is resolved with AttentionBackendEnum[name.upper()]; a new "
+            "enum member would not survive the spawn of engine/worker processes (they unpickle the "
+            "config before plugins load).",
+        how="register_backend(CUSTOM, path) (public) + the alias SM121 -> CUSTOM in the enum's "
+            "_member_map_ (private), in every process through the general plugin.",
+        patch="0001-attention-backend-registry-named-custom-backends.patch",
+        removal="once upstream accepts registered names (the patch), register under 'SM121' directly",
+    ),
+    Shim(
+        symbol="vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._create_draft_vllm_config",
+        why="The drafter never inherits --attention-backend (it autoselects); on SM12x nothing else "
+            "runs gpt-oss's drafter next to an SM121 target, and the heterogeneous-layer story "
+            "(target with window+sinks, drafter without) is exactly what SM121 exists for.",
+        how="Wrap the method: when the speculative config names no attention_backend and the "
+            "target runs SM121, the draft config gets SM121 too. An explicit "
+            "speculative-config attention_backend always wins.",
+        patch="0002-spec-decode-drafter-inherits-opted-in-attention-backend.patch",
+        removal="once upstream lets a backend opt in to being inherited by drafters (the patch)",
+    ),
+]
+
+
+def register_attention_backend() -> None:
+    """Make ``SM121`` a valid attention-backend name resolving to our backend (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
+    # Shim 0001: alias the name. CUSTOM pickles by value, so spawned processes see CUSTOM too.
+    members = AttentionBackendEnum._member_map_
+    if members.get(BACKEND_NAME) not in (None, AttentionBackendEnum.CUSTOM):
+        raise RuntimeError(f"attention backend name {BACKEND_NAME} is already taken by {members[BACKEND_NAME]}")
+    members[BACKEND_NAME] = AttentionBackendEnum.CUSTOM
+
+
+def _target_runs_sm121(vllm_config) -> bool:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return vllm_config.attention_config.backend is AttentionBackendEnum.CUSTOM and (
+        AttentionBackendEnum.CUSTOM.get_path() == BACKEND_CLASS_PATH
+    )
+
+
+class _PostImportHook:
+    """Run ``fn(module)`` right after ``name`` is imported (or now, if it already is).
+
+    Keeps ``register()`` cheap: patching a module must not import it (and half of vLLM with it)
+    in processes that never use it, such as the API server.
+    """
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.util
+        import sys
+
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, fn = spec.loader.exec_module, self.fn
+
+        def exec_and_patch(module):
+            exec_module(module)
+            fn(module)
+
+        spec.loader.exec_module = exec_and_patch
+        sys.meta_path.remove(self)
+        return spec
+
+
+def on_import(name: str, fn) -> None:
+    import sys
+
+    if name in sys.modules:
+        fn(sys.modules[name])
+    elif not any(isinstance(h, _PostImportHook) and h.name == name for h in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(name, fn))
+
+
+def _patch_create_draft_vllm_config(module) -> None:
+    import dataclasses as dc
+
+    proposer = module.SpecDecodeBaseProposer
+    original = proposer._create_draft_vllm_config
+    if getattr(original, "_sm121_shim", False):
+        return
+
+    def _create_draft_vllm_config(self):
+        draft = original(self)
+        if self.speculative_config.attention_backend is None and _target_runs_sm121(self.vllm_config):
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            draft = dc.replace(draft, attention_config=dc.replace(
+                draft.attention_config, backend=AttentionBackendEnum.CUSTOM))
+        return draft
+
+    _create_draft_vllm_config._sm121_shim = True
+    proposer._create_draft_vllm_config = _create_draft_vllm_config
+
+
+def register_drafter_inherits_sm121() -> None:
+    """Shim 0002: an Eagle3/draft model without its own attention_backend follows an SM121 target."""
+    on_import("vllm.v1.spec_decode.llm_base_proposer", _patch_create_draft_vllm_config)

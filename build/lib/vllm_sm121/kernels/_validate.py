@@ -1,0 +1,57 @@
+"""Argument checks shared by the launchers: each failure names the argument and what is supported."""
+
+from __future__ import annotations
+
+import torch
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+# Head sizes the kernels are built and tested for (padded to a power of two inside).
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 256)
+# KV page sizes: any multiple of 16 (vLLM's default is 16; sliding-window layers may pick larger).
+BLOCK_SIZE_MULTIPLE = 16
+MAX_BLOCK_SIZE = 1024
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name}.dtype={str(t.dtype).replace('torch.', '')} is not supported; supported: {names}")
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def check_head_size(head_size: int) -> None:
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"head_size={head_size} is not supported; supported: {SUPPORTED_HEAD_SIZES}")
+
+
+def check_block_size(block_size: int) -> None:
+    if block_size % BLOCK_SIZE_MULTIPLE != 0 or not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size={block_size} is not supported; supported: multiples of "
+            f"{BLOCK_SIZE_MULTIPLE} up to {MAX_BLOCK_SIZE}"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def scale_tensor(name: str, scale, device: torch.device) -> torch.Tensor:
+    """A per-tensor dequantization scale as a [1] fp32 tensor (graph-safe when given as a tensor)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must hold one per-tensor scale, got shape {tuple(scale.shape)}")
+        return scale.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)

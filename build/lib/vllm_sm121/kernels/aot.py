@@ -1,0 +1,198 @@
+"""Ahead-of-time compilation of every kernel for sm_121a and sm_90a, without a GPU.
+
+``python -m vllm_sm121.kernels.aot [--arch 121 90]`` compiles each kernel specialisation the
+launchers use (tile tables from ``vllm_sm121.platform``) with Triton's own compiler and ptxas,
+and prints which MMA and load instructions the PTX uses. ``tests/test_aot_compile.py`` runs the
+same and fails if an sm_121a build contains an sm_90-only instruction (wgmma, TMA, setmaxnreg).
+
+Pointer and stride arguments are compiled as 16-divisible, as Triton specialises them at run
+time for the shapes vLLM passes (head sizes and page sizes are multiples of 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vllm_sm121 import platform as _platform
+
+from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
+from .kv_cache_details._kv_cache import _write_kv_cache_kernel
+from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
+from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
+
+# Instructions that exist on sm_90 but not on sm_12x (consumer/GB10 Blackwell).
+SM90_ONLY = ("wgmma", "cp.async.bulk.tensor", "setmaxnreg", "multimem", "cp.reduce.async.bulk")
+_INSTR = re.compile(r"\b((?:mma\.sync|wgmma\.mma_async|mma)\.[\w.]+|cp\.async[\w.]*|ld\.global[\w.]*|"
+                    r"ldmatrix[\w.]*|cvt\.rn\.satfinite[\w.]*|st\.global[\w.]*|setmaxnreg[\w.]*)")
+
+ARCHS = {121: _platform.SM12X, 90: _platform.SM90}
+
+
+@dataclasses.dataclass
+class Spec:
+    name: str
+    fn: object
+    constexprs: dict
+    ptr_types: dict  # pointer argument -> Triton type string ("*bf16", ...)
+    num_warps: int
+    num_stages: int = 1
+
+
+@dataclasses.dataclass
+class Result:
+    spec: str
+    arch: int
+    instructions: list[str]
+    shared_bytes: int
+    num_regs: int | None
+    ptx: str = dataclasses.field(repr=False, default="")
+
+    @property
+    def sm90_only(self) -> list[str]:
+        return [i for i in self.instructions if i.startswith(SM90_ONLY)]
+
+
+def _signature(spec: Spec) -> tuple[dict, dict]:
+    sig, attrs = {}, {}
+    for i, name in enumerate(spec.fn.arg_names):
+        if name in spec.constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            sig[name] = spec.ptr_types.get(name, "*fp32")
+        elif name.startswith("stride"):
+            sig[name] = "i64"
+        elif name in ("sm_scale", "softcap"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        if name.endswith("_ptr") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def attention_specs(family: str) -> list[Spec]:
+    specs = []
+    for head, kind, fp8, features in (
+        (64, "decode", False, False), (64, "decode", True, True), (64, "prefill", False, True),
+        (64, "prefill", True, False), (64, "prefill_sw", False, True), (128, "decode", False, True),
+        (128, "prefill", False, False),
+    ):
+        tile = _platform.attn_tile(family, kind, head)
+        gqa = 8
+        kv = "*fp8e4nv" if fp8 else "*bf16"
+        specs.append(Spec(
+            name=f"paged_attention[{kind},d{head},{'fp8' if fp8 else 'bf16'},{'all-features' if features else 'plain'}]",
+            fn=_paged_attention_kernel,
+            constexprs=dict(
+                NUM_Q_PER_KV=gqa, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
+                BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
+                USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
+                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False,
+            ),
+            ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
+                           seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        ))
+    tile = _platform.attn_tile(family, "decode", 64)
+    specs.append(Spec(
+        name="paged_attention[decode,d64,nvfp4,all-features]", fn=_paged_attention_kernel,
+        constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
+                        BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
+                        USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False),
+        ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
+                       v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    ))
+    specs.append(Spec(
+        name="combine_splits[d64,sinks]", fn=_combine_splits_kernel,
+        constexprs=dict(HEAD_SIZE=64, HEAD_PAD=64, NUM_SPLITS=8, USE_SINKS=True, KV_FP8=True),
+        ptr_types=dict(out_ptr="*bf16", query_start_loc_ptr="*i32"), num_warps=1,
+    ))
+    return specs
+
+
+def kv_cache_specs(family: str) -> list[Spec]:
+    specs = []
+    for kv, soft in (("bf16", False), ("fp8", False), ("fp8", True)):
+        ty = "*fp8e4nv" if kv == "fp8" else "*bf16"
+        specs.append(Spec(
+            name=f"write_kv_cache[{kv}{',soft-e4m3' if soft else ''}]", fn=_write_kv_cache_kernel,
+            constexprs=dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16,
+                            KV_FP8=kv == "fp8", SOFT_FP8=soft),
+            ptr_types=dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=ty, v_cache_ptr=ty, slot_mapping_ptr="*i64"),
+            num_warps=2,
+        ))
+    return specs
+
+
+def nvfp4_specs(family: str) -> list[Spec]:
+    return [
+        Spec(name="fp4_kv_write[d64,8 heads]", fn=_fp4_kv_write_kernel,
+             constexprs=dict(NUM_KV_HEADS=8, BLOCK_SIZE=16, HEAD=64),
+             ptr_types=dict(key_ptr="*bf16", value_ptr="*bf16", k_data_ptr="*u8", k_scale_ptr="*u8",
+                            v_data_ptr="*u8", v_scale_ptr="*u8", slot_mapping_ptr="*i64"), num_warps=1),
+        Spec(name="nvfp4_quantize[d64]", fn=_nvfp4_quantize_kernel, constexprs=dict(NUM_BLOCKS=4),
+             ptr_types=dict(x_ptr="*bf16", packed_ptr="*u8", scales_ptr="*u8"), num_warps=1),
+        Spec(name="nvfp4_dequantize[d64]", fn=_nvfp4_dequantize_kernel, constexprs=dict(NUM_BLOCKS=4),
+             ptr_types=dict(packed_ptr="*u8", scales_ptr="*u8"), num_warps=1),
+    ]
+
+
+def all_specs(family: str) -> list[Spec]:
+    return attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family)
+
+
+def compile_spec(spec: Spec, arch: int) -> Result:
+    sig, attrs = _signature(spec)
+    src = ASTSource(spec.fn, sig, spec.constexprs, attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+    ptx = kernel.asm["ptx"]
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    if target != f"sm_{arch}a":
+        raise RuntimeError(f"{spec.name}: PTX targets {target}, expected sm_{arch}a")
+    return Result(spec.name, arch, sorted(set(_INSTR.findall(ptx))), kernel.metadata.shared,
+                  getattr(kernel, "n_regs", None), ptx)
+
+
+def compile_all(arch: int) -> list[Result]:
+    return [compile_spec(s, arch) for s in all_specs(ARCHS[arch])]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[121, 90], choices=sorted(ARCHS))
+    ap.add_argument("--json", help="also write {arch: {kernel: {instructions, shared_bytes, sm90_only}}} here")
+    args = ap.parse_args(argv)
+    if triton.knobs.runtime.interpret:
+        raise SystemExit("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler")
+    bad = 0
+    record = {}
+    for arch in args.arch:
+        print(f"## sm_{arch}a ({ARCHS[arch]} tiles)\n")
+        print("| kernel | shared mem (B) | MMA / load / convert instructions in the PTX |")
+        print("| --- | --- | --- |")
+        for r in compile_all(arch):
+            record.setdefault(f"sm_{arch}a", {})[r.spec] = dict(
+                instructions=r.instructions, shared_bytes=r.shared_bytes, sm90_only=r.sm90_only)
+            print(f"| {r.spec} | {r.shared_bytes} | {', '.join(r.instructions)} |")
+            if arch >= 100 and r.sm90_only:
+                bad += 1
+                print(f"ERROR: {r.spec} uses sm_90-only instructions on sm_{arch}a: {r.sm90_only}")
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""NVFP4 KV-cache pages: views over vLLM's nvfp4 page, the quantize-on-write kernel and references.
+
+Layout (vLLM 0.26 ``nvfp4_kv_cache_full_dim``, data-then-scales like ``nvfp4_split_data_scale``):
+each side (K, V) of a page holds ``block_size * num_kv_heads * (head_size/2 + head_size/16)``
+bytes: first all e2m1 data ``[Hkv][block_size][head_size/2]``, then all e4m3 block scales
+``[Hkv][block_size][head_size/16]``. A per-layer fp32 global scale per side completes the format
+(see ``kernels/nvfp4.py``). ``Nvfp4Pages`` are strided tensor views of that page, so kernels
+address data and scales with ordinary strides.
+
+Status: kernels and references, tested on CPU; not yet wired into the SM121 backend (which still
+refuses ``--kv-cache-dtype nvfp4``) and not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _validate as V
+from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
+from .nvfp4 import nvfp4_dequantize_torch, nvfp4_quantize_torch
+
+
+def nvfp4_full_dim(head_size: int) -> int:
+    """Bytes per (token, head) of one side: vLLM's ``nvfp4_kv_cache_full_dim``."""
+    return head_size // 2 + head_size // 16
+
+
+@dataclasses.dataclass
+class Nvfp4Pages:
+    data: torch.Tensor  # [num_blocks, Hkv, block_size, head_size // 2] uint8
+    scales: torch.Tensor  # [num_blocks, Hkv, block_size, head_size // 16] float8_e4m3fn
+    global_scale: torch.Tensor  # [1] fp32
+
+    @classmethod
+    def view(cls, side: torch.Tensor, num_kv_heads: int, block_size: int, head_size: int,
+             global_scale: torch.Tensor) -> "Nvfp4Pages":
+        """Views of one side ``[num_blocks, page_bytes]`` (uint8) of the nvfp4 cache."""
+        if side.dtype != torch.uint8 or side.dim() != 2:
+            raise ValueError(f"nvfp4 cache side must be a [num_blocks, bytes] uint8 tensor, got {side.dtype} {tuple(side.shape)}")
+        need = num_kv_heads * block_size * nvfp4_full_dim(head_size)
+        if side.shape[1] != need:
+            raise ValueError(f"nvfp4 page side holds {side.shape[1]} bytes; num_kv_heads={num_kv_heads}, "
+                             f"block_size={block_size}, head_size={head_size} need {need}")
+        nb = side.shape[0]
+        split = num_kv_heads * block_size * head_size // 2
+        data = side[:, :split].unflatten(1, (num_kv_heads, block_size, head_size // 2))
+        scales = side[:, split:].unflatten(1, (num_kv_heads, block_size, head_size // 16)).view(torch.float8_e4m3fn)
+        assert data.shape[0] == scales.shape[0] == nb
+        return cls(data, scales, global_scale.reshape(1).float())
+
+    @property
+    def shape(self):  # (num_blocks, Hkv, block_size, head_size)
+        nb, h, n, half = self.data.shape
+        return (nb, h, n, 2 * half)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [num_blocks, Hkv, block_size, head_size] (tests and references only)."""
+        nb, h, n, d = self.shape
+        rows = self.data.reshape(-1, d // 2)
+        out = nvfp4_dequantize_torch(rows, self.scales.reshape(-1, d // 16), float(self.global_scale))
+        return out.view(nb, h, n, d)
+
+
+def _check(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping):
+    V.check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    V.check_dtype("key", key, V.ACT_DTYPES)
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(f"value {tuple(value.shape)} {value.dtype} must match key {tuple(key.shape)} {key.dtype}")
+    _, num_kv_heads, head_size = key.shape
+    if head_size % 16 or head_size & (head_size - 1):
+        raise ValueError(f"head_size={head_size} is not supported by the nvfp4 KV cache; supported: 16, 32, 64, 128, 256")
+    if num_kv_heads & (num_kv_heads - 1):
+        raise ValueError(f"num_kv_heads={num_kv_heads} is not supported by the nvfp4 KV write; supported: powers of two")
+    for name, p in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if p.shape[1] != num_kv_heads or p.shape[3] != head_size:
+            raise ValueError(f"{name} {p.shape} disagrees with key: num_kv_heads={num_kv_heads}, head_size={head_size}")
+    V.check_block_size(k_pages.shape[2])
+    if slot_mapping.shape[0] < key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
+def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping: torch.Tensor) -> None:
+    """Quantize ``key``/``value`` [T, Hkv, D] to NVFP4 into their page slots (one program per token)."""
+    _check(key, value, k_pages, v_pages, slot_mapping)
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    _fp4_kv_write_kernel[(num_tokens,)](
+        key, value, k_pages.data, k_pages.scales.view(torch.uint8), v_pages.data, v_pages.scales.view(torch.uint8),
+        slot_mapping, k_pages.global_scale, v_pages.global_scale,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_pages.data.stride(0), k_pages.scales.stride(0), v_pages.data.stride(0), v_pages.scales.stride(0),
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_pages.shape[2], HEAD=head_size, num_warps=1,
+    )
+
+
+def fp4_kv_write_torch(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping: torch.Tensor) -> None:
+    """Reference of ``fp4_kv_write`` (same bytes)."""
+    _check(key, value, k_pages, v_pages, slot_mapping)
+    block_size = k_pages.shape[2]
+    for t in range(key.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot < 0:
+            continue
+        page, off = divmod(slot, block_size)
+        for x, p in ((key[t], k_pages), (value[t], v_pages)):
+            packed, scales = nvfp4_quantize_torch(x.float(), float(p.global_scale))
+            p.data[page, :, off] = packed
+            p.scales[page, :, off] = scales

@@ -1,0 +1,52 @@
+"""Triton code for the NVFP4 KV-cache write (launcher and reference: ``kernels/fp4_kv.py``)."""
+
+import triton
+import triton.language as tl
+
+from ..kv_cache_details._codecs import nvfp4_quantize_rows
+
+
+@triton.jit
+def _fp4_kv_write_kernel(
+    key_ptr,  # [T, Hkv, HEAD]
+    value_ptr,  # [T, Hkv, HEAD]
+    k_data_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD/2] uint8 (strided view of the page)
+    k_scale_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD/16] uint8 (e4m3 bytes)
+    v_data_ptr,
+    v_scale_ptr,
+    slot_mapping_ptr,  # [T] int64, < 0 = skip
+    k_global_ptr,  # [1] fp32
+    v_global_ptr,  # [1] fp32
+    stride_k_t: tl.int64,
+    stride_k_h: tl.int64,
+    stride_v_t: tl.int64,
+    stride_v_h: tl.int64,
+    stride_kd_b: tl.int64,
+    stride_ks_b: tl.int64,
+    stride_vd_b: tl.int64,
+    stride_vs_b: tl.int64,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, NUM_KV_HEADS)
+    offs_d = tl.arange(0, HEAD)
+    offs_p = tl.arange(0, HEAD // 2)
+    offs_s = tl.arange(0, HEAD // 16)
+    # Within a page: [Hkv][BLOCK_SIZE][HEAD/2] data, [Hkv][BLOCK_SIZE][HEAD/16] scales.
+    row = offs_h * BLOCK_SIZE + off
+    for side in tl.static_range(2):
+        if side == 0:
+            src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = key_ptr, stride_k_h, stride_k_t, k_data_ptr, k_scale_ptr, stride_kd_b, stride_ks_b, k_global_ptr
+        else:
+            src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = value_ptr, stride_v_h, stride_v_t, v_data_ptr, v_scale_ptr, stride_vd_b, stride_vs_b, v_global_ptr
+        x = tl.load(src + tok * st + offs_h[:, None] * sh + offs_d[None, :]).to(tl.float32)
+        packed, s_code = nvfp4_quantize_rows(x, tl.load(g_ptr), NUM_KV_HEADS, HEAD // 16)
+        tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed)
+        tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code)

@@ -1,0 +1,363 @@
+"""Paged attention over ragged batches: launcher ``paged_attention`` and reference ``paged_attention_torch``.
+
+Architecture
+    One Triton kernel (``paged_attention_details/_paged_attention.py``) for prefill chunks,
+    decode, mixed batches and spec-verify (query length 1+k): GQA-packed query tiles, causal
+    masking at absolute positions, and per-call hyperparameters (scale, sliding window,
+    logits soft-cap, attention sinks, fp8 KV scales), so layers that differ in any of them
+    share one backend. A split-KV (flash-decoding) mode cuts each sequence's KV range in
+    ``num_splits`` parts for long contexts at small batch, merged by a second kernel.
+
+Cache layout
+    ``key_cache`` / ``value_cache``: ``[num_blocks, num_kv_heads, block_size, head_size]``
+    (any strides, last dim contiguous) -- the two halves of the SM121 backend's cache
+    ``[num_blocks, 2, num_kv_heads, block_size, head_size]``. bf16/fp16, or fp8-e4m3 with
+    per-tensor ``k_scale``/``v_scale`` (stored = x / scale).
+
+Constraints
+    * ``seq_lens[i]`` counts the context plus the new tokens of sequence i; its queries sit at
+      the last ``q_len`` positions.
+    * ``sliding_window=W`` lets a query at position p see keys at positions k with p - k < W
+      (vLLM's convention); pages wholly outside the window may be vLLM's null block 0.
+    * CUDA graphs: no host synchronisation, no data-dependent launch shape; the grid depends
+      only on ``q.shape[0]`` and ``num_seqs`` and the number of splits on the host-side
+      ``max_seq_len`` (fix ``num_splits`` when capturing).
+
+Limitations
+    No ALiBi, no non-causal (encoder) attention, no per-head KV scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from vllm_sm121 import platform as _platform
+
+from . import _validate as V
+from .fp4_kv import Nvfp4Pages
+from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
+
+MAX_SPLITS = 64
+# A split below this many KV tokens costs more in the merge than it saves.
+MIN_TOKENS_PER_SPLIT = 64
+# Programs per SM the split count aims for. H200 sweep (benchmarks/tune_attention.py, gpt-oss
+# decode): best at 4-8 programs per SM for batch 1-8 (b1 ctx8k: 64 splits 15.7 us vs 32 splits
+# 18.1 us), 2 splits at batch 32.
+PROGRAMS_PER_SM = 4
+# With the GPU already filled (>= 1 program per SM), split only contexts at least this long:
+# H200, window-128 layers at batch 32: 1 split 11.4 us vs 2 splits 15.7 us (the merge launch).
+FILLED_GPU_MIN_SPLIT_TOKENS = 2048
+
+
+@dataclasses.dataclass
+class SplitWorkspace:
+    """Persistent partial-result buffers for the split-KV path (allocate once for CUDA graphs)."""
+
+    acc: torch.Tensor  # [max_tokens, Hq, num_splits, head_pad] fp32
+    ml: torch.Tensor  # [max_tokens, Hq, num_splits, 2] fp32
+
+    @classmethod
+    def allocate(cls, max_tokens: int, num_q_heads: int, num_splits: int, head_size: int, device) -> "SplitWorkspace":
+        pad = max(16, triton.next_power_of_2(head_size))
+        return cls(
+            acc=torch.empty(max_tokens, num_q_heads, num_splits, pad, dtype=torch.float32, device=device),
+            ml=torch.empty(max_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=device),
+        )
+
+    @classmethod
+    def view_of(cls, acc_flat: torch.Tensor, ml_flat: torch.Tensor, num_tokens: int, num_q_heads: int,
+                num_splits: int, head_size: int) -> "SplitWorkspace | None":
+        """Views at the start of persistent flat buffers (same addresses every step), or None if too small."""
+        pad = max(16, triton.next_power_of_2(head_size))
+        n = num_tokens * num_q_heads * num_splits
+        if n * pad > acc_flat.numel() or n * 2 > ml_flat.numel():
+            return None
+        return cls(acc=acc_flat[: n * pad].view(num_tokens, num_q_heads, num_splits, pad),
+                   ml=ml_flat[: n * 2].view(num_tokens, num_q_heads, num_splits, 2))
+
+
+def _sm_count(q: torch.Tensor, family: str) -> int:
+    if q.device.type == "cuda":
+        return torch.cuda.get_device_properties(q.device).multi_processor_count
+    return _platform.DEFAULT_SM_COUNT[family]
+
+
+def choose_num_splits(
+    *,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_q_per_kv: int,
+    sm_count: int,
+    sliding_window: int | None = None,
+) -> int:
+    """Splits for flash-decoding: ~PROGRAMS_PER_SM programs per SM, >= MIN_TOKENS_PER_SPLIT KV tokens each.
+
+    Only query-light batches (decode, spec-verify) split; prefill already has programs to spare.
+    A sliding window bounds the KV a query block reads, whatever the context length.
+    """
+    if max_query_len * num_q_per_kv > 64:
+        return 1
+    visible = max_seq_len
+    if sliding_window is not None:
+        visible = min(visible, sliding_window + max_query_len - 1)
+    programs = num_seqs * num_kv_heads
+    if programs >= sm_count and visible < FILLED_GPU_MIN_SPLIT_TOKENS:
+        return 1  # every SM busy and little KV per program: the merge launch would cost more
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(programs, 1))
+    cap = max(1, visible // MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(want, cap, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # power of two: few kernel specialisations
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    workspace: SplitWorkspace | None = None,
+    tile: _platform.AttnTile | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` [T, Hq, D] against paged KV; returns ``out`` [T, Hq, D].
+
+    Rows of ``out`` past ``query_start_loc[-1]`` (graph padding) are left untouched.
+    ``tile`` overrides the per-architecture tile table (tuning, tests).
+    """
+    # ---- validation ---------------------------------------------------------------------------
+    kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
+    if kv_nvfp4 != isinstance(value_cache, Nvfp4Pages):
+        raise ValueError("key_cache and value_cache must both be Nvfp4Pages or both be tensors")
+    if kv_nvfp4:
+        return _paged_attention_nvfp4(q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                      max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+                                      sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
+                                      num_splits=num_splits, workspace=workspace, tile=tile)
+    V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
+    V.check_ndim("key_cache", key_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
+    V.check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
+    V.check_dtype("q", q, V.ACT_DTYPES)
+    V.check_dtype("key_cache", key_cache, V.ACT_DTYPES + V.FP8_DTYPES)
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache.dtype={value_cache.dtype} must equal key_cache.dtype={key_cache.dtype}")
+    kv_fp8 = key_cache.dtype in V.FP8_DTYPES
+    if not kv_fp8 and key_cache.dtype != q.dtype:
+        raise ValueError(f"key_cache.dtype={key_cache.dtype} must equal q.dtype={q.dtype} (or be float8_e4m3fn)")
+    head_size = q.shape[2]
+    num_kv_heads, block_size, kv_head_size = key_cache.shape[1:]
+    V.check_head_size(head_size)
+    V.check_block_size(block_size)
+    if kv_head_size != head_size or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"cache shapes key_cache={tuple(key_cache.shape)}, value_cache={tuple(value_cache.shape)} "
+            f"disagree with q head_size={head_size}"
+        )
+    out = _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out)
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("k_scale and v_scale are required for an fp8 KV cache")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        V.check_last_dim_contiguous(name, t)
+    V.check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                        query_start_loc=query_start_loc, seq_lens=seq_lens, sinks=sinks)
+    return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
+                   kv_fp8=kv_fp8, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len,
+                   max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                   sinks=sinks, out=out, num_splits=num_splits, workspace=workspace, tile=tile)
+
+
+def _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out):
+    """Checks shared by every cache format; returns ``out`` (allocated if None)."""
+    V.check_ndim("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    V.check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    V.check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        V.check_dtype(name, t, (torch.int32,))
+    num_q_heads = q.shape[1]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries and block_table {block_table.shape[0]} rows; "
+            f"need num_seqs + 1 = {num_seqs + 1} and >= {num_seqs} for seq_lens of {num_seqs} sequences"
+        )
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window={sliding_window} must be a positive int or None")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap={softcap} must be > 0 or None")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads):
+        raise ValueError(f"sinks must have shape [num_q_heads={num_q_heads}], got {tuple(sinks.shape)}")
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must match q: shape {tuple(q.shape)} dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_start_loc, seq_lens, *,
+                           max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out, num_splits,
+                           workspace, tile):
+    V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
+    V.check_dtype("q", q, V.ACT_DTYPES)
+    head_size = q.shape[2]
+    if k.shape != v.shape or k.shape[3] != head_size:
+        raise ValueError(f"nvfp4 pages k={k.shape} v={v.shape} disagree with q head_size={head_size}")
+    if head_size % 16 or head_size & (head_size - 1):
+        raise ValueError(f"head_size={head_size} is not supported by the nvfp4 KV cache; supported: 16, 32, 64, 128, 256")
+    V.check_block_size(k.shape[2])
+    V.check_last_dim_contiguous("q", q)
+    out = _check_common(q, k.shape[1], block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out)
+    return _launch(q, k.data, v.data, k.scales.view(torch.uint8), v.scales.view(torch.uint8), block_table,
+                   query_start_loc, seq_lens, kv_fp8=False, kv_nvfp4=True, k_scale=k.global_scale,
+                   v_scale=v.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+                   sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out, num_splits=num_splits,
+                   workspace=workspace, tile=tile)
+
+
+def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_start_loc, seq_lens, *, kv_fp8,
+            kv_nvfp4, k_scale, v_scale, max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out,
+            num_splits, workspace, tile):
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # ---- performance hyper-parameters ---------------------------------------------------------
+    family = _platform.family_of(q)
+    num_q_per_kv = num_q_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    kind = "decode" if max_query_len * num_q_per_kv <= 16 else ("prefill" if sliding_window is None else "prefill_sw")
+    tile = tile or _platform.attn_tile(family, kind, head_pad)
+    # Never more rows than the longest query needs (spec-verify 1+k would waste half a tile).
+    rows = triton.next_power_of_2(max(1, max_query_len) * num_q_per_kv)
+    block_m = max(16, triton.next_power_of_2(num_q_per_kv), min(tile.block_m, rows))
+    block_q = block_m // num_q_per_kv
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, num_q_per_kv=num_q_per_kv, sm_count=_sm_count(q, family),
+            sliding_window=sliding_window,
+        )
+    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits={num_splits} is not supported; supported: powers of two 1..{MAX_SPLITS}")
+
+    # ---- launch -------------------------------------------------------------------------------
+    dummy = q.new_empty(1, dtype=torch.float32)
+    scaled = kv_fp8 or kv_nvfp4
+    k_scale_t = V.scale_tensor("k_scale", k_scale, q.device) if scaled else dummy
+    v_scale_t = V.scale_tensor("v_scale", v_scale, q.device) if scaled else dummy
+    k_bs = k_bscale if kv_nvfp4 else dummy
+    v_bs = v_bscale if kv_nvfp4 else dummy
+    sinks_t = sinks if sinks is not None else dummy
+    if num_splits > 1:
+        if workspace is None:
+            workspace = SplitWorkspace.allocate(num_tokens, num_q_heads, num_splits, head_size, q.device)
+        ws_shape = tuple(workspace.acc.shape)
+        if ws_shape[0] < num_tokens or ws_shape[1:] != (num_q_heads, num_splits, head_pad):
+            raise ValueError(
+                f"workspace.acc has shape {ws_shape}; need [>= {num_tokens}, {num_q_heads}, {num_splits}, {head_pad}]"
+            )
+        part_acc, part_ml = workspace.acc, workspace.ml
+    else:
+        part_acc = part_ml = dummy
+
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_ml, q, key_cache, value_cache, k_bs, v_bs,
+        block_table, seq_lens, query_start_loc, sinks_t, k_scale_t, v_scale_t,
+        float(scale), float(softcap or 0.0), num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        k_bs.stride(0) if kv_nvfp4 else 0, k_bs.stride(1) if kv_nvfp4 else 0,
+        v_bs.stride(0) if kv_nvfp4 else 0, v_bs.stride(1) if kv_nvfp4 else 0,
+        block_table.stride(0),
+        NUM_Q_PER_KV=num_q_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
+        SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None, KV_FP8=kv_fp8, KV_NVFP4=kv_nvfp4, NUM_SPLITS=num_splits,
+        DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_ml, query_start_loc, sinks_t, v_scale_t,
+            num_seqs, num_q_heads, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            USE_SINKS=sinks is not None, KV_FP8=scaled,
+            num_warps=1 if head_pad <= 64 else 2,
+        )
+    return out
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    **_perf_args,
+) -> torch.Tensor:
+    """Pure-torch reference (fp32 math), same arguments as ``paged_attention``."""
+    if isinstance(key_cache, Nvfp4Pages):
+        key_cache, value_cache = key_cache.dequantize(), value_cache.dequantize()
+        k_scale = v_scale = None
+    out = torch.zeros_like(q)
+    num_q_heads, num_kv_heads = q.shape[1], key_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_size = key_cache.shape[2]
+    ks = float(k_scale) if k_scale is not None else 1.0
+    vs = float(v_scale) if v_scale is not None else 1.0
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_lo, q_hi = qsl[i], qsl[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        pages = block_table[i, pos // block_size].long()
+        k = key_cache[pages, :, pos % block_size].float() * ks  # [S, Hkv, D]
+        v = value_cache[pages, :, pos % block_size].float() * vs
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[q_lo:q_hi].float()  # [L, Hq, D]
+        s = torch.einsum("lhd,shd->hls", qi, k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= (q_pos[:, None] - pos[None, :]) < sliding_window
+        s = s.masked_fill(~visible[None], float("-inf"))
+        v = v.masked_fill(~visible.any(0)[:, None, None], 0.0)  # null-block pages may hold NaN
+        if sinks is not None:
+            sink_col = sinks.float()[:, None, None].expand(num_q_heads, q_len, 1)
+            p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hls,shd->lhd", p, v).to(q.dtype)
+    return out

@@ -1,0 +1,278 @@
+"""Triton code for paged attention (launcher and reference: ``kernels/paged_attention.py``).
+
+One kernel body serves every batch kind vLLM sends (prefill chunks, decode, mixed, spec-verify):
+a program owns BLOCK_Q query tokens of one sequence times the NUM_Q_PER_KV query heads that
+share one KV head (GQA packing: BLOCK_M = BLOCK_Q * NUM_Q_PER_KV rows), and streams that
+sequence's KV pages through an online softmax. With NUM_SPLITS > 1 (flash-decoding) the KV range
+is cut in NUM_SPLITS parts whose partial results ``_combine_splits_kernel`` merges.
+
+Instructions (read off the PTX, see tests/test_aot_compile.py): the two tl.dot become
+``mma.sync.aligned.m16n8k16`` bf16/fp16 on sm_121a (wgmma on sm_90a for BLOCK_M >= 64); KV pages
+are gathered with plain ``ld.global`` / ``cp.async`` (the page table makes rows non-contiguous,
+so no TMA).
+"""
+
+import triton
+import triton.language as tl
+
+from ..kv_cache_details._codecs import nvfp4_dequantize_rows
+
+RCP_LN2 = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
+    """Index of the sequence whose query blocks contain program ``q_block_global``.
+
+    Sequence i owns program ids starting at ``query_start_loc[i] // BLOCK_Q + i`` (an upper
+    bound of the blocks before it, so no id is shared); binary search over that monotone list.
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, Hq, HEAD_SIZE]                (NUM_SPLITS == 1)
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1)
+    part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32: running max (log2 domain), sum
+    q_ptr,  # [T, Hq, HEAD_SIZE]
+    k_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE] (KV_NVFP4: uint8 [.., HEAD_SIZE // 2] data)
+    v_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE] (KV_NVFP4: uint8 [.., HEAD_SIZE // 2] data)
+    k_bscale_ptr,  # KV_NVFP4: uint8 e4m3 [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE // 16] block scales
+    v_bscale_ptr,  # KV_NVFP4: same for V
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32: context + new tokens
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [Hq] fp32 (USE_SINKS)
+    k_scale_ptr,  # [1] fp32 (KV_FP8: per-tensor scale; KV_NVFP4: global scale)
+    v_scale_ptr,  # [1] fp32 (KV_FP8: per-tensor scale; KV_NVFP4: global scale)
+    sm_scale,  # fp32: softmax scale
+    softcap,  # fp32 (USE_SOFTCAP)
+    num_seqs,  # int32
+    stride_q_t: tl.int64,
+    stride_q_h: tl.int64,
+    stride_o_t: tl.int64,
+    stride_o_h: tl.int64,
+    stride_k_b: tl.int64,
+    stride_k_h: tl.int64,
+    stride_k_t: tl.int64,
+    stride_v_b: tl.int64,
+    stride_v_h: tl.int64,
+    stride_v_t: tl.int64,
+    stride_kb_b: tl.int64,  # KV_NVFP4 block-scale strides (page, head); token stride is HEAD_SIZE // 16
+    stride_kb_h: tl.int64,
+    stride_vb_b: tl.int64,
+    stride_vb_h: tl.int64,
+    stride_bt: tl.int64,
+    NUM_Q_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: none; else a query sees keys with q_pos - k_pos < W
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_NVFP4: tl.constexpr,  # e2m1 pages + e4m3 block scales, dequantized in registers
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    q_tok = q_block * BLOCK_Q + offs_m // NUM_Q_PER_KV  # token index inside the sequence
+    q_head = kv_head * NUM_Q_PER_KV + offs_m % NUM_Q_PER_KV
+    row_ok = (offs_m < BLOCK_Q * NUM_Q_PER_KV) & (q_tok < q_len)
+    d_ok = offs_d < HEAD_SIZE
+    q_pos = ctx_len + q_tok  # absolute position of each row's query
+
+    q_rows = (q_start + q_tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # KV positions this block of queries can see.
+    first_q_pos = ctx_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
+    if SLIDING_WINDOW > 0:
+        kv_begin = tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0)
+    else:
+        kv_begin = 0
+    tile_lo = kv_begin // TILE_N
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    qk_scale = sm_scale
+    if KV_FP8 or KV_NVFP4:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * RCP_LN2  # work in the log2 domain directly
+
+    if USE_SINKS and NUM_SPLITS == 1:
+        # The sink is one more logit per head in the softmax denominator.
+        m_i = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * RCP_LN2
+        l_i = tl.where(row_ok, 1.0, 0.0).to(tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+
+    k_base = k_cache_ptr + kv_head * stride_k_h
+    v_base = v_cache_ptr + kv_head * stride_v_h
+    bt_base = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        # Outside [kv_begin, kv_end) a page may be vLLM's null block 0 or unallocated: mask the
+        # loads too, not only the scores (garbage fp8 bytes can be NaN, and 0 * NaN = NaN).
+        n_ok = (offs_n >= kv_begin) & (offs_n < kv_end)
+        page = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        if KV_NVFP4:
+            # Packed bytes and block scales of TILE_N tokens; decoded (exactly) into q's dtype.
+            offs_hb = tl.arange(0, HEAD_SIZE // 2)
+            offs_sb = tl.arange(0, HEAD_SIZE // 16)
+            kq = tl.load(k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_hb[None, :],
+                         mask=n_ok[:, None], other=0)
+            ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[:, None] * stride_kb_b
+                         + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
+            vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_hb[None, :],
+                         mask=n_ok[:, None], other=0)
+            vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
+                         + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
+            k = tl.trans(nvfp4_dequantize_rows(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
+            v = nvfp4_dequantize_rows(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
+        else:
+            k = tl.load(
+                k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        elif KV_FP8:
+            # e4m3 values are exact in bf16/fp16; the per-tensor scales are applied outside.
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+
+        s = tl.dot(q, k) * qk_scale
+        if USE_SOFTCAP:
+            # softcap * tanh(s / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1)
+            e = tl.exp(2.0 * s / softcap)
+            s = (softcap * (1.0 - 2.0 / (e + 1.0))) * RCP_LN2
+        visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & ((q_pos[:, None] - offs_n[None, :]) < SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        if KV_FP8 or KV_NVFP4:
+            o = o * tl.load(v_scale_ptr)
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # part_* are contiguous: [T, Hq, NUM_SPLITS, HEAD_PAD] and [T, Hq, NUM_SPLITS, 2]
+        row_split = (q_rows * tl.num_programs(1) * NUM_Q_PER_KV + q_head) * NUM_SPLITS + split
+        tl.store(
+            part_acc_ptr + row_split[:, None] * HEAD_PAD + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+        tl.store(part_ml_ptr + row_split * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row_split * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,  # [T, Hq, HEAD_SIZE]
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] fp32
+    part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [Hq] fp32 (USE_SINKS)
+    v_scale_ptr,  # [1] fp32 (KV_FP8)
+    num_seqs,
+    num_q_heads,
+    stride_o_t: tl.int64,
+    stride_o_h: tl.int64,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    # Rows past the last real token (CUDA-graph padding) hold no partials.
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        return
+    row = tok.to(tl.int64) * num_q_heads + head
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * RCP_LN2
+        m_max = tl.maximum(m_max, sink)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_use)
+    denom = tl.sum(l * w, axis=0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_use)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
+    tl.store(
+        out_ptr + tok.to(tl.int64) * stride_o_t + head * stride_o_h + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_SIZE,
+    )

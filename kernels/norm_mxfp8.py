@@ -1,0 +1,73 @@
+"""Fused residual-add + RMSNorm producing MXFP8 for gpt-oss's experts and bf16 for its router.
+
+One kernel does what the design's decode step asks before the MoE (design.md): ``residual +=
+x``; ``y = rmsnorm(residual) * weight``; ``y`` in bf16 for the router GEMM and in MXFP8 (e4m3
+values, one e8m0 power-of-two scale per 32 along the hidden size) for the expert GEMMs, so no
+standalone quantization kernel runs between layers.
+
+Status: kernel + reference, CPU-tested; not yet wired into a MoE method or the gpt-oss model.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import _validate as V
+from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
+
+MX_BLOCK = 32
+
+
+def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+    """Returns (y bf16 [T, H], values float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32]); updates ``residual``."""
+    V.check_ndim("x", x, 2, "[num_tokens, hidden]")
+    V.check_dtype("x", x, (torch.bfloat16,))
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    t, h = x.shape
+    if h % MX_BLOCK:
+        raise ValueError(f"hidden size {h} is not supported; supported: multiples of {MX_BLOCK}")
+    if weight.shape != (h,):
+        raise ValueError(f"weight must have shape [{h}], got {tuple(weight.shape)}")
+    for name, a in (("x", x), ("residual", residual)):
+        V.check_last_dim_contiguous(name, a)
+    y = torch.empty_like(x)
+    q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
+    s = torch.empty(t, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    if t:
+        block_h = triton.next_power_of_2(h)
+        # performance hyper-parameters: one row per program; 2880 bf16 = 5.6 KB per row.
+        _add_rmsnorm_mxfp8_kernel[(t,)](x, residual, weight, y, q, s, float(eps), x.stride(0), residual.stride(0),
+                                        y.stride(0), q.stride(0), s.stride(0), H=h, BLOCK_H=block_h,
+                                        num_warps=4 if block_h >= 2048 else 2)
+    return y, q.view(torch.float8_e4m3fn), s
+
+
+def mxfp8_quantize_torch(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference MXFP8 of fp32 ``y`` [T, H]: (float8_e4m3fn values, uint8 e8m0 scales)."""
+    t, h = y.shape
+    yb = y.float().view(t, h // MX_BLOCK, MX_BLOCK)
+    amax = yb.abs().amax(-1)
+    k = torch.floor(torch.log2(amax.clamp(min=2.0**-126))).to(torch.int32)
+    # log2 on exact powers of two is exact; guard the float's floor against rounding just below.
+    k = torch.where(torch.exp2(k.float() + 1) <= amax, k + 1, k)
+    e = torch.where(amax > 1.75 * torch.exp2(k.float()), k - 7, k - 8)
+    e = torch.where(amax > 0, e.clamp(-127, 127), torch.full_like(e, -127))
+    vals = (yb * torch.exp2(-e.float())[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return vals.view(t, h), (e + 127).to(torch.uint8)
+
+
+def fused_add_rmsnorm_mxfp8_torch(x, residual, weight, eps: float = 1e-5):
+    """Reference of ``fused_add_rmsnorm_mxfp8`` (same outputs; updates ``residual``)."""
+    r = (x.float() + residual.float()).to(x.dtype)
+    residual.copy_(r)
+    rf = r.float()
+    y = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    vals, scales = mxfp8_quantize_torch(y)
+    return y.to(x.dtype), vals, scales
+
+
+def mxfp8_dequantize_torch(vals: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    t, h = vals.shape
+    return (vals.float().view(t, -1, MX_BLOCK) * torch.exp2(scales.float() - 127)[..., None]).view(t, h)

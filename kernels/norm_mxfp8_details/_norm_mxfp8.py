@@ -1,0 +1,40 @@
+"""Triton code for the fused residual-add + RMSNorm -> MXFP8 producer (launcher: ``kernels/norm_mxfp8.py``)."""
+
+import triton
+import triton.language as tl
+
+from ..kv_cache_details._codecs import mxfp8_quantize_rows, to_bf16_rne
+
+
+@triton.jit
+def _add_rmsnorm_mxfp8_kernel(
+    x_ptr,  # [T, H] bf16 (only bf16: outputs are rounded with to_bf16_rne)
+    res_ptr,  # [T, H] bf16: residual, updated in place to x + residual
+    w_ptr,  # [H] norm weight
+    y_ptr,  # [T, H] bf16: normalized (for the bf16 router)
+    q_ptr,  # [T, H] uint8 e4m3: MXFP8 values (for the experts)
+    s_ptr,  # [T, H / 32] uint8 e8m0 scales
+    eps,
+    stride_x: tl.int64,
+    stride_r: tl.int64,
+    stride_y: tl.int64,
+    stride_q: tl.int64,
+    stride_s: tl.int64,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # power of two >= H
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
+        res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+    r = to_bf16_rne(r)
+    tl.store(res_ptr + row * stride_r + offs, r, mask=m)
+    rf = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
+    y = rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, to_bf16_rne(y), mask=m)
+    codes, scales = mxfp8_quantize_rows(y[None, :], 1, BLOCK_H // 32)
+    tl.store(q_ptr + row * stride_q + offs[None, :], codes, mask=m[None, :])
+    offs_b = tl.arange(0, BLOCK_H // 32)
+    tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)
