@@ -16,10 +16,10 @@ Limitations
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import _validate as V
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
+from ._validate import _dummy, _next_pow2
 
 FP8_E4M3_MAX = 448.0
 
@@ -78,12 +78,12 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
-    dummy = key.new_empty(1, dtype=torch.float32)
+    dummy = _dummy(key.device)
     k_scale_t = V.scale_tensor("k_scale", k_scale, key.device) if kv_fp8 else dummy
     v_scale_t = V.scale_tensor("v_scale", v_scale, key.device) if kv_fp8 else dummy
     # performance hyper-parameters: one program per token; 8 KV heads x 64 dims = 1 KB each way.
-    heads_pad = triton.next_power_of_2(num_kv_heads)
-    head_pad = triton.next_power_of_2(head_size)
+    heads_pad = _next_pow2(num_kv_heads)
+    head_pad = _next_pow2(head_size)
     num_warps = 1 if heads_pad * head_pad <= 512 else (2 if heads_pad * head_pad <= 2048 else 4)
     _write_kv_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping, k_scale_t, v_scale_t,

@@ -32,11 +32,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from vllm_sm121 import platform as _platform
 
 from . import _validate as V
+from ._validate import _dummy, _next_pow2
 from .fp4_kv import Nvfp4Pages
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
@@ -61,7 +61,7 @@ class SplitWorkspace:
 
     @classmethod
     def allocate(cls, max_tokens: int, num_q_heads: int, num_splits: int, head_size: int, device) -> "SplitWorkspace":
-        pad = max(16, triton.next_power_of_2(head_size))
+        pad = max(16, _next_pow2(head_size))
         return cls(
             acc=torch.empty(max_tokens, num_q_heads, num_splits, pad, dtype=torch.float32, device=device),
             ml=torch.empty(max_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=device),
@@ -71,7 +71,7 @@ class SplitWorkspace:
     def view_of(cls, acc_flat: torch.Tensor, ml_flat: torch.Tensor, num_tokens: int, num_q_heads: int,
                 num_splits: int, head_size: int) -> "SplitWorkspace | None":
         """Views at the start of persistent flat buffers (same addresses every step), or None if too small."""
-        pad = max(16, triton.next_power_of_2(head_size))
+        pad = max(16, _next_pow2(head_size))
         n = num_tokens * num_q_heads * num_splits
         if n * pad > acc_flat.numel() or n * 2 > ml_flat.numel():
             return None
@@ -108,7 +108,7 @@ def choose_num_splits(
     programs = num_seqs * num_kv_heads
     if programs >= sm_count and visible < FILLED_GPU_MIN_SPLIT_TOKENS:
         return 1  # every SM busy and little KV per program: the merge launch would cost more
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(programs, 1))
+    want = -(-PROGRAMS_PER_SM * sm_count // max(programs, 1))  # ceil
     cap = max(1, visible // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(want, cap, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # power of two: few kernel specialisations
@@ -134,14 +134,32 @@ def paged_attention(
     num_splits: int | None = None,
     workspace: SplitWorkspace | None = None,
     tile: _platform.AttnTile | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Attention of ``q`` [T, Hq, D] against paged KV; returns ``out`` [T, Hq, D].
 
     Rows of ``out`` past ``query_start_loc[-1]`` (graph padding) are left untouched.
-    ``tile`` overrides the per-architecture tile table (tuning, tests).
+    ``tile`` overrides the per-architecture tile table (tuning, tests). ``check=False`` skips
+    argument validation (~25 µs of host time a call): only for callers that validated the same
+    layer's arguments before (the SM121 backend does on each layer's first call).
     """
-    # ---- validation ---------------------------------------------------------------------------
     kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
+    if not check:
+        if out is None:
+            out = torch.empty_like(q)
+        if kv_nvfp4:
+            return _launch(q, key_cache.data, value_cache.data, key_cache.scales.view(torch.uint8),
+                           value_cache.scales.view(torch.uint8), block_table, query_start_loc, seq_lens,
+                           kv_fp8=False, kv_nvfp4=True, k_scale=key_cache.global_scale,
+                           v_scale=value_cache.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                           scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
+                           num_splits=num_splits, workspace=workspace, tile=tile)
+        return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
+                       kv_fp8=key_cache.dtype in V.FP8_DTYPES, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale,
+                       max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+                       sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
+                       num_splits=num_splits, workspace=workspace, tile=tile)
+    # ---- validation ---------------------------------------------------------------------------
     if kv_nvfp4 != isinstance(value_cache, Nvfp4Pages):
         raise ValueError("key_cache and value_cache must both be Nvfp4Pages or both be tensors")
     if kv_nvfp4:
@@ -241,12 +259,12 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     # ---- performance hyper-parameters ---------------------------------------------------------
     family = _platform.family_of(q)
     num_q_per_kv = num_q_heads // num_kv_heads
-    head_pad = max(16, triton.next_power_of_2(head_size))
+    head_pad = max(16, _next_pow2(head_size))
     kind = "decode" if max_query_len * num_q_per_kv <= 16 else ("prefill" if sliding_window is None else "prefill_sw")
     tile = tile or _platform.attn_tile(family, kind, head_pad)
     # Never more rows than the longest query needs (spec-verify 1+k would waste half a tile).
-    rows = triton.next_power_of_2(max(1, max_query_len) * num_q_per_kv)
-    block_m = max(16, triton.next_power_of_2(num_q_per_kv), min(tile.block_m, rows))
+    rows = _next_pow2(max(1, max_query_len) * num_q_per_kv)
+    block_m = max(16, _next_pow2(num_q_per_kv), min(tile.block_m, rows))
     block_q = block_m // num_q_per_kv
     if num_splits is None:
         num_splits = choose_num_splits(
@@ -258,7 +276,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         raise ValueError(f"num_splits={num_splits} is not supported; supported: powers of two 1..{MAX_SPLITS}")
 
     # ---- launch -------------------------------------------------------------------------------
-    dummy = q.new_empty(1, dtype=torch.float32)
+    dummy = _dummy(q.device)
     scaled = kv_fp8 or kv_nvfp4
     k_scale_t = V.scale_tensor("k_scale", k_scale, q.device) if scaled else dummy
     v_scale_t = V.scale_tensor("v_scale", v_scale, q.device) if scaled else dummy

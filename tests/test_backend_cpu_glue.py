@@ -84,6 +84,11 @@ def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, 
                                     sinks=impl._sinks_f32)
         n = int(b.query_start_loc[-1])
         assert_close(output[:n].view(n, HQ, D), ref[:n], what=name)
+        # Later calls skip argument validation (check=False): same result.
+        assert impl._checked
+        again = torch.full_like(output, 7.0)
+        impl.forward(layer, b.q.view(T, HQ * D), key, value, kv_cache, md, again)
+        assert torch.equal(again, output)
         torch.testing.assert_close(kv_cache[:, 0], ref_k, rtol=0, atol=0, equal_nan=True)  # null block 0 is NaN
         torch.testing.assert_close(kv_cache[:, 1], ref_v, rtol=0, atol=0, equal_nan=True)
         assert (output[n:] == 7.0).all(), "graph-padding rows were written"

@@ -222,3 +222,12 @@ def test_fp8_cache_needs_scales():
                           value_cache=lambda a: a["value_cache"].nan_to_num().to(FP8))
     with pytest.raises(ValueError, match="k_scale and v_scale are required"):
         paged_attention(**args, **kw)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_unchecked_launch_matches_checked(kv_dtype):
+    b = make_paged_batch([1, 3], [20, 9], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16, kv_dtype=kv_dtype)
+    args = (b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens)
+    kw = dict(max_query_len=3, max_seq_len=20, scale=0.125, sinks=torch.randn(4), k_scale=b.k_scale, v_scale=b.v_scale)
+    assert torch.equal(paged_attention(*args, **kw), paged_attention(*args, check=False, **kw))
