@@ -29,7 +29,7 @@ for step in "$@"; do
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
     serve) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_fp.log" -- --max-cudagraph-capture-size 8 ;;
     servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 8 ;;
-    eagle) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle.log" -- --max-cudagraph-capture-size 8 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
+    eagle) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle.log" -- --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
     e2e_numerics) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "prompt_logprobs" -p no:cacheprovider > "$OUT/e2e_numerics.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_numerics.log" | head -n 40; (exit $r) ;;
     e2e_graphs) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "graph" -p no:cacheprovider > "$OUT/e2e_graphs.log" 2>&1; r=$?

@@ -99,3 +99,17 @@ def test_profile_run_without_metadata_returns_output(backend_parts):
     impl = next(iter(impls.values()))
     out = torch.zeros(4, HQ * D, dtype=torch.bfloat16)
     assert impl.forward(None, out, None, None, None, None, out) is out
+
+
+def test_cudagraph_capture_metadata(backend_parts):
+    """Capture builds splits for long contexts (max_model_len) and warms up on 1-token contexts;
+    the split workspace views sit at the start of the builder's persistent buffers (stable addresses)."""
+    builder, impls = backend_parts
+    b = make_paged_batch([1] * 2, [300, 40], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
+    md = builder.build_for_cudagraph_capture(_common(b, torch.arange(2, dtype=torch.int64)))
+    assert md.seq_lens.tolist() == [1, 1]
+    assert md.num_splits[None] > 1 and md.num_splits[16] == 1  # long-context splits for the full layer
+    splits, ws = md.splits_and_workspace(HQ, D, None)
+    assert splits == md.num_splits[None]
+    assert ws.acc.data_ptr() == builder._acc.data_ptr() and ws.ml.data_ptr() == builder._ml.data_ptr()
+    assert md.splits_and_workspace(HQ, D, 16) == (1, None)
