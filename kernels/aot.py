@@ -25,6 +25,7 @@ from vllm_sm121 import platform as _platform
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
+from .moe_details._moe_fc2 import _moe_fc2_combine_kernel
 from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
 from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
@@ -155,7 +156,11 @@ def norm_specs(family: str) -> list[Spec]:
             Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4]", fn=_moe_fc1_swiglu_kernel,
                  constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0),
                  ptr_types=dict(a_ptr="*u8", a_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
-                                topk_ids_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"), num_warps=4)]
+                                topk_ids_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"), num_warps=4),
+            Spec(name="moe_fc2_combine[gpt-oss H2880 I2880 top4]", fn=_moe_fc2_combine_kernel,
+                 constexprs=dict(H=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64),
+                 ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
+                                topk_ids_ptr="*i32", topk_w_ptr="*fp32", out_ptr="*bf16"), num_warps=4)]
 
 
 def all_specs(family: str) -> list[Spec]:

@@ -1,4 +1,4 @@
-"""gpt-oss MoE, decode path: FC1 (MXFP8 x MXFP4) + bias + SwiGLU -> MXFP8, and its reference.
+"""gpt-oss MoE, decode path: FC1 (MXFP8 x MXFP4) + bias + SwiGLU -> MXFP8; FC2 + bias, routing-weighted sum over the top-k -> bf16; references.
 
 Architecture
     ``moe_fc1_swiglu`` takes the MXFP8 activations the fused norm emits (``norm_mxfp8.py``), the
@@ -21,6 +21,7 @@ import torch
 
 from . import _validate as V
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
+from .moe_details._moe_fc2 import _moe_fc2_combine_kernel
 from .nvfp4 import E2M1_VALUES
 
 SWIGLU_ALPHA = 1.702
@@ -79,3 +80,39 @@ def moe_fc1_swiglu_torch(a, a_scale, w13, w13_scale, bias, topk_ids):
     up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
     y = (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
     return mxfp8_quantize_torch(y), y
+
+
+def moe_fc2_combine(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                    bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """h [M*topk, I] e4m3 + h_scale [M*topk, I/32]; returns bf16 [M, H] = sum_j w_j (h_j W2[e_j]^T + b2[e_j])."""
+    V.check_ndim("w2", w2, 3, "[num_experts, hidden, intermediate / 2]")
+    V.check_dtype("h", h, V.FP8_DTYPES)
+    V.check_dtype("topk_ids", topk_ids, (torch.int32,))
+    V.check_dtype("topk_weights", topk_weights, (torch.float32,))
+    m, topk = topk_ids.shape
+    e, hidden, i_half = w2.shape
+    i = h.shape[1]
+    if i % 64 or i_half * 2 != i or h.shape[0] != m * topk:
+        raise ValueError(f"h {tuple(h.shape)} disagrees with w2 {tuple(w2.shape)} / topk_ids {tuple(topk_ids.shape)}; "
+                         "intermediate must be a multiple of 64")
+    if w2_scale.shape != (e, hidden, i // 32) or bias.shape != (e, hidden) or topk_weights.shape != (m, topk):
+        raise ValueError(f"w2_scale {tuple(w2_scale.shape)}, bias {tuple(bias.shape)} or topk_weights "
+                         f"{tuple(topk_weights.shape)} disagree with w2 {tuple(w2.shape)}")
+    out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
+    block_n = 64  # performance hyper-parameter (not tuned yet)
+    if m:
+        _moe_fc2_combine_kernel[(m, -(-hidden // block_n))](
+            h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_ids, topk_weights, out,
+            H=hidden, I=i, TOPK=topk, BLOCK_N=block_n, BLOCK_K=64, num_warps=4)
+    return out
+
+
+def moe_fc2_combine_torch(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights):
+    from .norm_mxfp8 import mxfp8_dequantize_torch
+
+    x = mxfp8_dequantize_torch(h, h_scale.clamp(min=1))  # [M*topk, I]
+    ids = topk_ids.long().flatten()
+    w = dequant_mxfp4_torch(w2[ids], w2_scale[ids])  # [M*topk, H, I]
+    y = torch.einsum("phk,pk->ph", w, x) + bias[ids].float()
+    m, topk = topk_ids.shape
+    return (y.view(m, topk, -1) * topk_weights.float()[..., None]).sum(1)
