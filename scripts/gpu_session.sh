@@ -20,7 +20,7 @@ rc=0
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) python3 -m pytest -q -x -m "gpu and not e2e" tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/tests.log" ;;
+    tests) python3 -m pytest -q -m "gpu or interpreter" tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/tests.log" ;;
     alltests) python3 -m pytest -q tests --ignore=tests/test_e2e_gpu.py -p no:cacheprovider 2>&1 | tail -n 60 | tee "$OUT/alltests.log" ;;
     e2e) python3 -m pytest -q -s tests/test_e2e_gpu.py -p no:cacheprovider > "$OUT/e2e_full.log" 2>&1; r=$?
          grep -E "Error|error|gap|spread|passed|failed" "$OUT/e2e_full.log" | grep -v "^\s*$" | head -n 60; tail -n 5 "$OUT/e2e_full.log"; (exit $r) ;;

@@ -92,8 +92,8 @@ CPU_CASES = [
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
-def test_paged_attention_cpu(case):
-    run_case(case, "cpu")
+def test_paged_attention_cpu(case, device):
+    run_case(case, device)  # the reduced sweep; on a GPU machine it runs there too
 
 
 # --------------------------------------------------------------------------------------- GPU sweep
@@ -226,8 +226,10 @@ def test_fp8_cache_needs_scales():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_unchecked_launch_matches_checked(kv_dtype):
-    b = make_paged_batch([1, 3], [20, 9], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16, kv_dtype=kv_dtype)
+def test_unchecked_launch_matches_checked(kv_dtype, device):
+    b = make_paged_batch([1, 3], [20, 9], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16, kv_dtype=kv_dtype,
+                         device=device)
     args = (b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens)
-    kw = dict(max_query_len=3, max_seq_len=20, scale=0.125, sinks=torch.randn(4), k_scale=b.k_scale, v_scale=b.v_scale)
+    kw = dict(max_query_len=3, max_seq_len=20, scale=0.125, sinks=torch.randn(4, device=device), k_scale=b.k_scale,
+              v_scale=b.v_scale)
     assert torch.equal(paged_attention(*args, **kw), paged_attention(*args, check=False, **kw))
