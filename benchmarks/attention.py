@@ -6,6 +6,7 @@ Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
     python benchmarks/attention.py --quick          # ~1 min: fewer points, 15 reps
     python benchmarks/attention.py                  # ~4 min: all points, 50 reps
     python benchmarks/attention.py --kv-dtype fp8 --providers sm121,fa3 --ctx 8k,128k --batch 1,32
+    python benchmarks/attention.py --kv-dtype nvfp4 # ours only: upstream rows say "not supported"
     python benchmarks/attention.py --dry-run        # CPU, Triton interpreter: API/layout check only
 
 Shapes
@@ -40,10 +41,19 @@ Data (one data set per point, shared by all providers)
     CUDA then also quantizes the query to fp8 for both of its backends (``Attention.query_quant``,
     q_scale 1.0); we do the same for triton_unified (unless --no-fp8-query) and always for fa3
     (FA3 needs q dtype == KV dtype). Ours keeps the bf16 query.
+    ``--kv-dtype nvfp4`` (ours only; vLLM 0.26 has no nvfp4 KV for triton_unified or fa3 on this
+    GPU, so their rows record "nvfp4 KV not supported by this provider in vLLM 0.26"): the same
+    random bf16 K/V, quantized page row by page row with ``nvfp4_quantize`` (CPU: its bit-exact
+    torch reference) into vLLM's nvfp4 page
+    ``kv = uint8[num_blocks, 2, Hkv * block_size * (D/2 + D/16)]`` (``Nvfp4Pages.view`` of kv[:, 0]
+    and kv[:, 1]); per-side fp32 global scale amax / (6 * 448) of the generated K (resp. V). The
+    cache-write point times ``fp4_kv_write`` (its global scales from the written key / value; its
+    cache starts zeroed: only the written slots are read back).
 
 Calls (mirroring how vLLM 0.26's backends call them for gpt-oss)
     sm121           paged_attention(..., scale=1/8, sliding_window=128|None, sinks=fp32[64],
-                    k_scale/v_scale 0-d tensors (fp8), num_splits=choose_num_splits(...) for the
+                    k_scale/v_scale 0-d tensors (fp8; nvfp4: Nvfp4Pages as key/value_cache, which
+                    carry the global scales, no k_scale/v_scale), num_splits=choose_num_splits(...) for the
                     point's max_seq_len (or --sm121-split-seq-len), workspace=SplitWorkspace
                     preallocated: as vllm_sm121/attention (impl.py, metadata.py) calls it.
     triton_unified  unified_attention(..., causal=True, window_size=(127, 0)|(-1, -1), softcap=0,
@@ -61,6 +71,9 @@ Correctness (--refcheck, default on)
     provider (tolerance --tol 2e-2; fp8 with an fp8 query: compared with ours run on the
     dequantized query, tolerance --tol-fp8, as those kernels also round P to fp8). Where cheap,
     ours is also compared with the fp32 torch reference ``paged_attention_torch`` (column ``ref``).
+    nvfp4: only that reference check, on the SAME Nvfp4Pages (the reference dequantizes them), so
+    --tol bounds the kernel's error, not the quantization error; the cache write is compared with
+    ``fp4_kv_write_torch`` (dequantized written slots).
 
 Dry run (--dry-run, no GPU needed)
     Triton interpreter on the CPU, tiny fp16 points (the interpreter's bf16 ``tl.dot`` is wrong in
@@ -69,6 +82,7 @@ Dry run (--dry-run, no GPU needed)
     and the torch reference; checks the kwargs of every upstream call (FA3, the cache writes)
     against the installed vLLM's signatures. Exit 1 if anything disagrees. With --kv-dtype fp8 the
     fp8-query comparisons are not judged: the interpreter's fp32->fp8 cast and fp8 dot are inexact.
+    With --kv-dtype nvfp4 ours runs (and is checked against the torch reference) alone.
 
 Timing
     Per provider: 2 warm-up calls (Triton JIT), then --reps timed calls, each preceded by a
@@ -78,10 +92,10 @@ Timing
     ``host_us``). Reported: p20/p50/p80 of the per-call times in µs (one call = one layer).
     Bytes = KV bytes actually needed given the window (per sequence: full -> seq_len tokens,
     sliding -> min(seq_len, q_len + 127) tokens; x 8 KV heads x 64 x 2 (K and V) x bytes per
-    element) + query and output bytes; GB/s = bytes / p50; % BW = that over the card's copy
-    bandwidth measured in the same run (device-to-device ``copy_`` of a 1 GiB buffer, read +
-    written bytes / time, median of 10). Prefill rows also give TFLOP/s (4 * head_dim * q heads
-    per visible query-key pair).
+    element: bf16 2, fp8 1, nvfp4 (D/2 + D/16) / D = 0.5625 incl. its block scales) + query and
+    output bytes; GB/s = bytes / p50; % BW = that over the card's copy bandwidth measured in the
+    same run (device-to-device ``copy_`` of a 1 GiB buffer, read + written bytes / time, median
+    of 10). Prefill rows also give TFLOP/s (4 * head_dim * q heads per visible query-key pair).
 
 Output
     A table (providers side by side per point, winner, ours vs the best other) and a JSON file
@@ -133,6 +147,7 @@ Q_FP8_SCALE = 1.0  # vLLM's default layer._q_scale
 
 FP8 = torch.float8_e4m3fn
 INTERP_FP8 = "n/a (interpreter fp8)"
+NVFP4_UNSUPPORTED = "nvfp4 KV not supported by this provider in vLLM 0.26"
 OK_STATUSES = (None, "ok", INTERP_FP8)
 PROVIDERS = ("sm121", "triton_unified", "fa3")
 FLUSH_BYTES = 256 << 20
@@ -241,16 +256,25 @@ def kv_tokens_needed(pt: Point) -> int:
     return min(pt.seq_len, pt.q_len + pt.window - 1)
 
 
-def attention_bytes(pt: Point, kv_elem: int, q_elem: int = 2, out_elem: int = 2) -> int:
-    kv = pt.batch * kv_tokens_needed(pt) * NUM_KV_HEADS * HEAD_SIZE * 2 * kv_elem
+def kv_bytes_per_elem(kv_dtype: str) -> float:
+    """KV-cache bytes per K (or V) element; nvfp4: (D/2 data + D/16 e4m3 scales) / D."""
+    if kv_dtype == "nvfp4":
+        from vllm_sm121.kernels.fp4_kv import nvfp4_full_dim
+
+        return nvfp4_full_dim(HEAD_SIZE) / HEAD_SIZE
+    return 1 if kv_dtype == "fp8" else 2
+
+
+def attention_bytes(pt: Point, kv_elem: float, q_elem: int = 2, out_elem: int = 2) -> int:
+    kv = round(pt.batch * kv_tokens_needed(pt) * NUM_KV_HEADS * HEAD_SIZE * 2 * kv_elem)
     q = pt.num_tokens * NUM_Q_HEADS * HEAD_SIZE * q_elem
     out = pt.num_tokens * NUM_Q_HEADS * HEAD_SIZE * out_elem
     return kv + q + out
 
 
-def write_bytes(pt: Point, kv_elem: int) -> int:
+def write_bytes(pt: Point, kv_elem: float) -> int:
     n = pt.num_tokens * NUM_KV_HEADS * HEAD_SIZE * 2  # K and V elements
-    return n * 2 + n * kv_elem + pt.num_tokens * 8  # read bf16 K/V, write cache, slot_mapping
+    return n * 2 + round(n * kv_elem) + pt.num_tokens * 8  # read bf16 K/V, write cache, slot_mapping
 
 
 def attention_flops(pt: Point) -> int:
@@ -285,19 +309,26 @@ def layout_for(pt: Point) -> Layout:
     return Layout(num_blocks=1 + pt.batch * (pages - first_page), pages_per_seq=pages, first_page=first_page)
 
 
-def cache_bytes(num_blocks: int, kv_elem: int) -> int:
-    return num_blocks * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE * kv_elem
+def cache_bytes(num_blocks: int, kv_elem: float) -> int:
+    return round(num_blocks * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE * kv_elem)
 
 
 class Inputs:
-    """One data set for one point; every provider reads the same numbers."""
+    """One data set for one point; every provider reads the same numbers.
 
-    def __init__(self, pt: Point, *, kv_dtype: torch.dtype, act_dtype: torch.dtype, device, seed: int):
+    ``nvfp4=True`` (with ``kv_dtype`` the activation dtype the K/V are generated in): the cache
+    becomes vLLM's nvfp4 page (``_to_nvfp4``) and key_cache / value_cache are ``Nvfp4Pages``.
+    """
+
+    def __init__(self, pt: Point, *, kv_dtype: torch.dtype, act_dtype: torch.dtype, device, seed: int,
+                 nvfp4: bool = False):
         self.pt = pt
         self.device = torch.device(device)
         self.act_dtype = act_dtype
         self.kv_dtype = kv_dtype
         self.kv_fp8 = kv_dtype == FP8
+        self.kv_nvfp4 = nvfp4
+        self.nvfp4_global_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layout = lay = layout_for(pt)
         gen_cpu = torch.Generator().manual_seed(seed)
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -318,6 +349,8 @@ class Inputs:
         self.kv[0].view(torch.uint8).zero_()  # null block
         self.key_cache = self.kv[:, 0]
         self.value_cache = self.kv[:, 1]
+        if nvfp4 and pt.kernel != "kv_cache_write":
+            self._to_nvfp4(src=self.kv)
         self._upstream: tuple[torch.Tensor, torch.Tensor] | None = None
 
         self.k_scale = KV_FP8_SCALE if self.kv_fp8 else None
@@ -333,6 +366,8 @@ class Inputs:
             blocks = torch.randperm(lay.num_blocks - 1, generator=gen_cpu)[:T] + 1
             offs = torch.randint(0, BLOCK_SIZE, (T,), generator=gen_cpu)
             self.slot_mapping = (blocks * BLOCK_SIZE + offs).to(torch.int64).to(self.device)
+            if nvfp4:
+                self._to_nvfp4(amax=torch.stack([self.key.abs().amax(), self.value.abs().amax()]))
             return
 
         # pages: a random permutation of the physical blocks
@@ -355,8 +390,43 @@ class Inputs:
         else:
             self.q8 = self.q_deq = None
 
+    def _to_nvfp4(self, src: torch.Tensor | None = None, amax: torch.Tensor | None = None) -> None:
+        """Replace the cache by vLLM's nvfp4 page ``uint8[num_blocks, 2, Hkv * block_size * (D/2 + D/16)]``.
+
+        ``src`` [num_blocks, 2, Hkv, block_size, D] (the generated K/V) is quantized page row by page
+        row with ``nvfp4_quantize`` (on the CPU with its bit-exact torch reference: the interpreter
+        needs ~16 ms a row); without it the pages stay zeroed (cache-write points). Global scale per
+        side: amax / (6 * 448) as an fp32 [1] tensor, amax = [K amax, V amax] of ``src`` (the null
+        block 0 excluded) unless given.
+        """
+        from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, nvfp4_full_dim
+        from vllm_sm121.kernels.nvfp4 import nvfp4_quantize, nvfp4_quantize_torch
+
+        quantize = nvfp4_quantize if self.device.type == "cuda" else nvfp4_quantize_torch  # same bytes
+        nb = self.layout.num_blocks
+        chunk = max(1, (256 << 20) // (2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE * 2))  # blocks per chunk
+        chunks = [(c0, min(nb, c0 + chunk)) for c0 in range(1, nb, chunk)]  # block 0 (null) stays zero
+        if amax is None:
+            amax = torch.stack([src[c0:c1].abs().amax(dim=(0, 2, 3, 4)) for c0, c1 in chunks]).amax(0)
+        scales = tuple((amax[i].float() / (6.0 * 448.0)).reshape(1) for i in range(2))
+        side_bytes = NUM_KV_HEADS * BLOCK_SIZE * nvfp4_full_dim(HEAD_SIZE)
+        kv4 = torch.zeros(nb, 2, side_bytes, dtype=torch.uint8, device=self.device)
+        pages = [Nvfp4Pages.view(kv4[:, i], NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, scales[i]) for i in range(2)]
+        if src is not None:
+            for c0, c1 in chunks:
+                for i, pg in enumerate(pages):
+                    packed, bscales = quantize(src[c0:c1, i].reshape(-1, HEAD_SIZE), pg.global_scale)
+                    pg.data[c0:c1].copy_(packed.view(c1 - c0, NUM_KV_HEADS, BLOCK_SIZE, -1))
+                    pg.scales.view(torch.uint8)[c0:c1].copy_(
+                        bscales.view(torch.uint8).view(c1 - c0, NUM_KV_HEADS, BLOCK_SIZE, -1))
+        self.kv = kv4  # the bf16 source is dropped: only ours runs on nvfp4
+        self.key_cache, self.value_cache = pages
+        self.nvfp4_global_scales = scales
+
     def upstream_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM 0.26 Triton/FLASH_ATTN layout (NHD): [nb, bs, Hkv, 2D]; K = [..., :D], V = [..., D:]."""
+        if self.kv_nvfp4:
+            raise RuntimeError(NVFP4_UNSUPPORTED)
         if self._upstream is None:
             nb = self.layout.num_blocks
             packed = torch.empty(nb, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, dtype=self.kv_dtype, device=self.device)
@@ -407,8 +477,15 @@ def make_sm121(inp: Inputs, args, *, q: torch.Tensor | None = None):
     def fn():
         paged_attention(q, inp.key_cache, inp.value_cache, inp.block_table, inp.query_start_loc, inp.seq_lens, **kwargs)
 
-    return fn, out, {"num_splits": num_splits, "split_seq_len": split_len,
-                     "query_dtype": str(q.dtype).replace("torch.", "")}
+    info = {"num_splits": num_splits, "split_seq_len": split_len, "query_dtype": str(q.dtype).replace("torch.", "")}
+    return fn, out, info | _nvfp4_info(inp)
+
+
+def _nvfp4_info(inp: Inputs) -> dict:
+    if not inp.kv_nvfp4:
+        return {}
+    k, v = (float(g) for g in inp.nvfp4_global_scales)
+    return {"nvfp4_global_scale_k": k, "nvfp4_global_scale_v": v}
 
 
 def _triton_attn_constants() -> tuple[int, int]:
@@ -560,7 +637,34 @@ def make_fa3(inp: Inputs, args):
 
 def _written_ours(inp: Inputs) -> torch.Tensor:
     s = inp.slot_mapping
+    if inp.kv_nvfp4:
+        return _written_nvfp4(inp.key_cache, inp.value_cache, s)
     return torch.stack([inp.kv[s // BLOCK_SIZE, 0, :, s % BLOCK_SIZE], inp.kv[s // BLOCK_SIZE, 1, :, s % BLOCK_SIZE]])
+
+
+def _written_nvfp4(k_pages, v_pages, slots: torch.Tensor) -> torch.Tensor:
+    """The written slots of nvfp4 pages, dequantized: fp32 [2, T, Hkv, D]."""
+    from vllm_sm121.kernels.nvfp4 import nvfp4_dequantize_torch
+
+    b, o = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    sides = []
+    for pg in (k_pages, v_pages):
+        data = pg.data[b, :, o].reshape(-1, HEAD_SIZE // 2)  # [T * Hkv, D/2]
+        bscales = pg.scales.view(torch.uint8)[b, :, o].reshape(-1, HEAD_SIZE // 16).view(torch.float8_e4m3fn)
+        sides.append(nvfp4_dequantize_torch(data, bscales, float(pg.global_scale)).view(-1, NUM_KV_HEADS, HEAD_SIZE))
+    return torch.stack(sides)
+
+
+def _written_nvfp4_torch(inp: Inputs) -> torch.Tensor:
+    """What ``fp4_kv_write_torch`` writes (on the CPU) for the same key/value/slots, dequantized."""
+    from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, fp4_kv_write_torch
+
+    kv4 = torch.zeros(inp.kv.shape, dtype=torch.uint8)
+    pages = [Nvfp4Pages.view(kv4[:, i], NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, inp.nvfp4_global_scales[i].cpu())
+             for i in range(2)]
+    slots = inp.slot_mapping.cpu()
+    fp4_kv_write_torch(inp.key.cpu(), inp.value.cpu(), *pages, slots)
+    return _written_nvfp4(*pages, slots)
 
 
 def _written_upstream(inp: Inputs) -> torch.Tensor:
@@ -576,6 +680,14 @@ def write_upstream_args(inp: Inputs) -> tuple:
 
 def make_write_sm121(inp: Inputs, args):
     from vllm_sm121.kernels import write_kv_cache
+
+    if inp.kv_nvfp4:
+        from vllm_sm121.kernels.fp4_kv import fp4_kv_write
+
+        def fn4():
+            fp4_kv_write(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping)
+
+        return fn4, (lambda: _written_ours(inp)), {"op": "vllm_sm121.kernels.fp4_kv.fp4_kv_write"} | _nvfp4_info(inp)
 
     def fn():
         write_kv_cache(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping,
@@ -793,7 +905,7 @@ def _torch_ref_affordable(pt: Point, device) -> bool:
     return per_seq <= (8 << 30) and pt.batch * pt.seq_len <= (1 << 19)
 
 
-def memory_needed(pt: Point, kv_elem: int, upstream: bool) -> int:
+def memory_needed(pt: Point, kv_elem: float, upstream: bool) -> int:
     lay = layout_for(pt)
     kv = cache_bytes(lay.num_blocks, kv_elem)
     small = pt.num_tokens * NUM_Q_HEADS * HEAD_SIZE * 2 * 8 + (512 << 20)
@@ -801,9 +913,11 @@ def memory_needed(pt: Point, kv_elem: int, upstream: bool) -> int:
 
 
 def run_point(pt: Point, args, timer: Timer, copy_gbps: float, device) -> list[dict]:
+    nvfp4 = args.kv_dtype == "nvfp4"  # generated in the activation dtype, then quantized (Inputs._to_nvfp4)
     kv_dtype = FP8 if args.kv_dtype == "fp8" else args.act_dtype
-    kv_elem = 1 if kv_dtype == FP8 else 2
+    kv_elem = kv_bytes_per_elem(args.kv_dtype)
     providers = args.provider_list
+    upstream = not nvfp4 and any(p != "sm121" for p in providers)  # nvfp4: upstream rows are not run
     base_config = {
         "phase": pt.kernel, "layer": pt.layer, "window": pt.window, "batch": pt.batch, "q_len": pt.q_len,
         "seq_len": pt.seq_len, "context_len": pt.seq_len - pt.q_len, "kv_dtype": args.kv_dtype,
@@ -827,15 +941,16 @@ def run_point(pt: Point, args, timer: Timer, copy_gbps: float, device) -> list[d
     # memory
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        need = memory_needed(pt, kv_elem, any(p != "sm121" for p in providers))
+        # nvfp4: the generated bf16 cache and its nvfp4 form coexist while it is built
+        need = memory_needed(pt, kv_elem + (2 if nvfp4 else 0), upstream)
         if need > free - (1 << 30):
             note = f"skipped: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
             for r in records.values():
                 r["error"] = note
             return list(records.values())
     try:
-        inp = Inputs(pt, kv_dtype=kv_dtype, act_dtype=args.act_dtype, device=device, seed=args.seed)
-        if any(p != "sm121" for p in providers):
+        inp = Inputs(pt, kv_dtype=kv_dtype, act_dtype=args.act_dtype, device=device, seed=args.seed, nvfp4=nvfp4)
+        if upstream:
             inp.upstream_caches()
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: note it, go on with the next point
         for r in records.values():
@@ -851,6 +966,9 @@ def run_point(pt: Point, args, timer: Timer, copy_gbps: float, device) -> list[d
         records = {p: r for p, r in records.items() if p in providers}
     for prov in providers:
         rec = records[prov]
+        if nvfp4 and prov != "sm121":
+            rec["error"] = NVFP4_UNSUPPORTED
+            continue
         try:
             fn, out, info = makers[prov](inp, args)
             rec["config"].update(info)
@@ -896,6 +1014,16 @@ def refcheck(pt: Point, inp: Inputs, args, outputs: dict, records: dict) -> None
                 d = (out - base).abs().max().item()
                 r["max_abs_diff_vs_sm121"] = d
                 r["refcheck"] = "ok" if d == 0.0 or d <= args.tol else "MISMATCH"
+        if inp.kv_nvfp4 and base is not None:  # no other provider: check ours against the torch writer
+            r = records["sm121"]
+            try:
+                d = (_written_nvfp4_torch(inp) - base).abs().max().item()
+                r["max_abs_diff_vs_torch"] = d
+                if d > args.tol:
+                    r["refcheck"] = "MISMATCH(ref)"
+                r["config"]["refcheck_baseline"] = "fp4_kv_write_torch, written slots dequantized"
+            except Exception as e:  # noqa: BLE001
+                print(f"  note: torch reference failed: {_short_error(e)}")
         return
     fp8_q = {p: inp.kv_fp8 and (p == "fa3" or (p == "triton_unified" and args.fp8_query)) for p in outputs}
     ours = outputs.get("sm121")
@@ -940,6 +1068,8 @@ def refcheck(pt: Point, inp: Inputs, args, outputs: dict, records: dict) -> None
             r["max_abs_diff_vs_torch"] = d
             if d > args.tol:
                 r["refcheck"] = "MISMATCH(ref)"
+            if inp.kv_nvfp4:
+                r["config"]["refcheck_baseline"] = "paged_attention_torch on the same Nvfp4Pages (kernel error only)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -952,6 +1082,8 @@ _MISSING = {"error": None, "p50": None, "refcheck": None, "max_abs_diff_vs_sm121
 
 def _fmt_cell(r: dict, prefill: bool) -> str:
     if r["error"]:
+        if r["error"] == NVFP4_UNSUPPORTED:
+            return "n/a"
         return "skip" if r["error"].startswith("skipped") else "ERR"
     if r["p50"] is None:
         return "-"
@@ -1108,7 +1240,8 @@ def parse_args(argv=None):
                     help="decode seq lengths, e.g. 2k,8k,32k,128k (default; --quick: 8k,128k)")
     ap.add_argument("--batch", type=_parse_list, default=None,
                     help="decode (and cache-write) batch sizes, e.g. 1,8,32 (default; --quick: 1,32)")
-    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV-cache dtype (default bf16)")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8", "nvfp4"), default="bf16",
+                    help="KV-cache dtype (default bf16); nvfp4: ours only, upstream rows recorded as not supported")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per provider and point (default 50; --quick 15)")
     ap.add_argument("--out", default=None, help="JSON output (default results/attention.json; --dry-run: "
                                                   "results/attention_dryrun.json)")
@@ -1192,7 +1325,8 @@ def main(argv=None) -> int:
         recs = run_point(pt, args, timer, copy["gbps"], device)
         by_point.append(recs)
         brief = "  ".join(
-            f"{r['provider']}={r['p50']:.1f}µs" if r["p50"] is not None else f"{r['provider']}=ERR" for r in recs
+            f"{r['provider']}={r['p50']:.1f}µs" if r["p50"] is not None
+            else f"{r['provider']}={'n/a' if r['error'] == NVFP4_UNSUPPORTED else 'ERR'}" for r in recs
         )
         print(f"[{i + 1}/{len(points)}] {pt.label}: {brief}  ({time.perf_counter() - t0:.1f}s)", flush=True)
 
@@ -1206,7 +1340,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out} ({len(result['records'])} records) in {hdr['elapsed_s']:.0f}s")
     if args.dry_run:
-        bad = [r for r in result["records"] if r["error"] or r["refcheck"] not in OK_STATUSES]
+        bad = [r for r in result["records"]
+               if (r["error"] and r["error"] != NVFP4_UNSUPPORTED) or r["refcheck"] not in OK_STATUSES]
         if problems or bad:
             print(f"dry run: {len(problems)} signature problem(s), {len(bad)} failing record(s)")
             return 1
