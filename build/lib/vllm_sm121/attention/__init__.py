@@ -1,1 +1,0 @@
-"""The SM121 attention backend: ``--attention-backend SM121``."""

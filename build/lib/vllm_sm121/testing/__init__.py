@@ -1,1 +1,0 @@
-"""Helpers for tests and benchmarks that need no downloaded model."""
