@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import _pow2, e2m1_decode, mxfp8_quantize_rows
+from ..kv_cache_details._codecs import mx_row_dot, mxfp8_quantize_rows
 
 
 @triton.jit
@@ -31,23 +31,8 @@ def _moe_fc1_swiglu_kernel(
     rows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved: 2i gate, 2i+1 up
     row_ok = rows < 2 * I
     w_rows = expert * (2 * I) + rows
-    acc = tl.zeros([2 * BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + token * K + offs_k, mask=k_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        a_e = tl.load(a_scale_ptr + token * (K // 32) + offs_k // 32, mask=k_ok, other=127).to(tl.int32) - 127
-        a = a * _pow2(tl.maximum(a_e, -126))
-        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
-                     mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0).to(tl.int32)
-        w = tl.reshape(tl.join(e2m1_decode(wq), e2m1_decode(wq >> 4)), [2 * BLOCK_N, BLOCK_K])
-        offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        w_e = tl.load(w_scale_ptr + w_rows[:, None] * (K // 32) + offs_kg[None, :],
-                      mask=row_ok[:, None] & (offs_kg[None, :] < K // 32), other=127).to(tl.int32) - 127
-        w_s = _pow2(tl.maximum(w_e, -126))  # [2N, BLOCK_K/32]
-        w = tl.reshape(tl.reshape(w, [2 * BLOCK_N, BLOCK_K // 32, 32]) * w_s[:, :, None], [2 * BLOCK_N, BLOCK_K])
-        acc += tl.sum(w * a[None, :], axis=1)
+    acc = mx_row_dot(a_ptr + token * K, a_scale_ptr + token * (K // 32), w_ptr, w_scale_ptr, w_rows, row_ok,
+                     K, 2 * BLOCK_N, BLOCK_K)
     acc += tl.load(bias_ptr + expert * (2 * I) + rows, mask=row_ok, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
     gate = tl.minimum(gate, LIMIT)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import _pow2, e2m1_decode, to_bf16_rne
+from ..kv_cache_details._codecs import mx_row_dot, to_bf16_rne
 
 
 @triton.jit
@@ -30,23 +30,8 @@ def _moe_fc2_combine_kernel(
         pair = token * TOPK + j
         expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
         w_rows = expert * H + rows
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < I
-            h = tl.load(h_ptr + pair * I + offs_k, mask=k_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            h_e = tl.load(h_scale_ptr + pair * (I // 32) + offs_k // 32, mask=k_ok, other=127).to(tl.int32) - 127
-            h = h * _pow2(tl.maximum(h_e, -126))
-            offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            wq = tl.load(w_ptr + w_rows[:, None] * (I // 2) + offs_kb[None, :],
-                         mask=row_ok[:, None] & (offs_kb[None, :] < I // 2), other=0).to(tl.int32)
-            w = tl.reshape(tl.join(e2m1_decode(wq), e2m1_decode(wq >> 4)), [BLOCK_N, BLOCK_K])
-            offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            w_e = tl.load(w_scale_ptr + w_rows[:, None] * (I // 32) + offs_kg[None, :],
-                          mask=row_ok[:, None] & (offs_kg[None, :] < I // 32), other=127).to(tl.int32) - 127
-            w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // 32, 32]) * _pow2(tl.maximum(w_e, -126))[:, :, None],
-                           [BLOCK_N, BLOCK_K])
-            acc += tl.sum(w * h[None, :], axis=1)
+        acc = mx_row_dot(h_ptr + pair * I, h_scale_ptr + pair * (I // 32), w_ptr, w_scale_ptr, w_rows, row_ok,
+                         I, BLOCK_N, BLOCK_K)
         acc += tl.load(bias_ptr + expert * H + rows, mask=row_ok, other=0.0).to(tl.float32)
         out += tl.load(topk_w_ptr + pair).to(tl.float32) * acc
     tl.store(out_ptr + token * H + rows, to_bf16_rne(out), mask=row_ok)
