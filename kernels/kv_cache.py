@@ -66,15 +66,19 @@ def write_kv_cache(
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
     soft_fp8: bool | None = None,
+    check: bool = True,
 ) -> None:
     """Scatter ``key``/``value`` [T, Hkv, D] into the paged caches at ``slot_mapping``.
 
     ``soft_fp8`` forces the software e4m3 encoder (default: only under the CPU interpreter).
+    ``check=False`` skips argument validation, for callers that validated the same layer before
+    (the SM121 backend, as for ``paged_attention``).
     """
-    _check(key, value, key_cache, value_cache, slot_mapping)
     kv_fp8 = key_cache.dtype in V.FP8_DTYPES
-    if kv_fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("k_scale and v_scale are required for an fp8 KV cache")
+    if check:
+        _check(key, value, key_cache, value_cache, slot_mapping)
+        if kv_fp8 and (k_scale is None or v_scale is None):
+            raise ValueError("k_scale and v_scale are required for an fp8 KV cache")
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return

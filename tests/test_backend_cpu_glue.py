@@ -79,6 +79,7 @@ def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, 
         key = torch.randn(T, HKV, D, generator=g).bfloat16()
         value = torch.randn(T, HKV, D, generator=g).bfloat16()
         layer = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+        kv_before = kv_cache.clone()
         impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         output = torch.full((T, HQ * D), 7.0, dtype=torch.bfloat16)
         impl.forward(layer, b.q.view(T, HQ * D), key, value, kv_cache, md, output)
@@ -90,7 +91,10 @@ def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, 
         n = int(b.query_start_loc[-1])
         assert_close(output[:n].view(n, HQ, D), ref[:n], what=name)
         # Later calls skip argument validation (check=False): same result.
-        assert impl._checked
+        assert impl._checked and impl._write_checked
+        kv_again = kv_before  # the unchecked write from the same starting cache gives the same bytes
+        impl.do_kv_cache_update(layer, key, value, kv_again, slot_mapping)
+        torch.testing.assert_close(kv_again, kv_cache, rtol=0, atol=0, equal_nan=True)
         again = torch.full_like(output, 7.0)
         impl.forward(layer, b.q.view(T, HQ * D), key, value, kv_cache, md, again)
         assert torch.equal(again, output)

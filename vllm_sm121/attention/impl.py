@@ -52,7 +52,9 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if sinks is not None and sinks.shape[0] != num_heads:
             raise ValueError(f"sinks has {sinks.shape[0]} entries; this layer has num_heads={num_heads}")
         self._sinks_f32: torch.Tensor | None = None
-        self._checked = False  # the kernels validate this layer's arguments on its first call only
+        # The kernels validate this layer's arguments on its first call only (host time per step).
+        self._checked = False
+        self._write_checked = False
         fault = envs.VLLM_SM121_FAULT
         if fault:
             logger.warning("SM121 attention: VLLM_SM121_FAULT=%s set: results are deliberately WRONG (tests only)", fault)
@@ -84,7 +86,9 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         n = min(key.shape[0], slot_mapping.shape[0])
         fp8 = self.kv_cache_dtype in _FP8_CACHE
         write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n],
-                       k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None)
+                       k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None,
+                       check=not self._write_checked)
+        self._write_checked = True
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
