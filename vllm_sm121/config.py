@@ -1,0 +1,93 @@
+"""The ``sm121`` options of ``--additional-config``, read and validated in one place.
+
+    vllm serve <gpt-oss> --attention-backend SM121 \\
+        --additional-config '{"sm121": {"moe": "mxfp8", "dense_weights": "bf16"}}'
+
+Each option lists every value the design admits and, separately, the values this release
+implements. An unknown key or value, or a value that is not implemented yet, is a ``ValueError``
+naming the option and what is supported -- never a silent fallback to stock behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SECTION = "sm121"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    values: tuple[str, ...]  # every value of the design (design.md's table)
+    implemented: tuple[str, ...]  # the ones this release can run
+    default: str | None  # None: decided from the rest of the config (see ``resolve_moe``)
+    help: str
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option("moe", ("mxfp8", "upstream"), ("upstream",), None,
+               "gpt-oss MXFP4 experts with MXFP8 activations (on by default with --attention-backend SM121 "
+               "once implemented); 'upstream' keeps vLLM's MoE"),
+        Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16",), "bf16",
+               "qkv / o / lm_head weight format"),
+        Option("cudagraph", ("upstream", "whole_model"), ("upstream",), "upstream",
+               "'whole_model': one graph replay per decode step (sampler and drafter included)"),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm121Config:
+    moe: str | None = None
+    dense_weights: str = "bf16"
+    cudagraph: str = "upstream"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _where(name: str) -> str:
+    return f'--additional-config \'{{"{SECTION}": {{"{name}": ...}}}}\''
+
+
+def parse(additional_config: dict | None) -> Sm121Config:
+    """Validate ``additional_config[SECTION]`` (other sections belong to others and are ignored)."""
+    if not additional_config:
+        return Sm121Config()
+    if not isinstance(additional_config, dict):
+        raise ValueError(f"--additional-config must be a JSON object, got {type(additional_config).__name__}")  # noqa: TRY004 (a config error)
+    section = additional_config.get(SECTION)
+    if section is None:
+        return Sm121Config()
+    if not isinstance(section, dict):
+        msg = f'--additional-config "{SECTION}" must be a JSON object of options ({", ".join(OPTIONS)}), got {section!r}'
+        raise ValueError(msg)  # noqa: TRY004 (a config error, reported like the others)
+    unknown = sorted(set(section) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f'--additional-config "{SECTION}": unknown option(s) {unknown}; '
+                         f"supported options: {', '.join(OPTIONS)}")
+    values = {}
+    for name, value in section.items():
+        opt = OPTIONS[name]
+        if value not in opt.values:
+            raise ValueError(f"{_where(name)}: {value!r} is not a valid value for '{name}'; "
+                             f"supported: {', '.join(opt.implemented)}")
+        if value not in opt.implemented:
+            raise ValueError(f"{_where(name)}: '{name}': {value!r} is not implemented in this vllm-sm121 release; "
+                             f"supported now: {', '.join(opt.implemented)}")
+        values[name] = value
+    return Sm121Config(**values)
+
+
+def from_vllm_config(vllm_config: Any) -> Sm121Config:
+    return parse(getattr(vllm_config, "additional_config", None))
+
+
+def current() -> Sm121Config:
+    """Options of the vLLM config being built or run in this process (stock options if none)."""
+    from vllm.config import get_current_vllm_config
+
+    return from_vllm_config(get_current_vllm_config())
