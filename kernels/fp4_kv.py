@@ -7,8 +7,12 @@ bytes: first all e2m1 data ``[Hkv][block_size][head_size/2]``, then all e4m3 blo
 (see ``kernels/nvfp4.py``). ``Nvfp4Pages`` are strided tensor views of that page, so kernels
 address data and scales with ordinary strides.
 
-Status: kernels and references, tested on CPU; not yet wired into the SM121 backend (which still
-refuses ``--kv-cache-dtype nvfp4``) and not yet run on a GPU.
+Global scales (``calibrate_global_scales``): gpt-oss ships no KV scales, so each layer's K and V
+scale is set from the first batch it writes: ``g = amax * HEADROOM / (6 * 448)``, so that a block
+as large as that batch's largest gets e4m3 block scale 448/HEADROOM (= 7) and blocks up to HEADROOM
+(64) times larger still fit before the block scale saturates; blocks down to ~3e-4 of it keep a
+non-zero (sub)normal scale. All on the device, no host synchronization: a zero or non-finite amax
+(e.g. an all-padding batch) leaves the scale unset for the next batch to set.
 """
 
 from __future__ import annotations
@@ -81,9 +85,39 @@ def _check(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping):
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
 
 
-def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping: torch.Tensor) -> None:
-    """Quantize ``key``/``value`` [T, Hkv, D] to NVFP4 into their page slots (one program per token)."""
-    _check(key, value, k_pages, v_pages, slot_mapping)
+# A block as large as the calibration batch's largest gets e4m3 block scale 448 / HEADROOM.
+HEADROOM = 64.0
+E4M3_MAX = 448.0
+DEFAULT_AMAX = 1.0  # the scale an uncalibrated layer writes with (amax assumed 1)
+
+
+def default_global_scale() -> float:
+    return DEFAULT_AMAX * HEADROOM / (6.0 * E4M3_MAX)
+
+
+def calibrate_global_scales(key: torch.Tensor, value: torch.Tensor, global_scales: torch.Tensor,
+                            done: torch.Tensor) -> None:
+    """Set ``global_scales`` [2] (K, V; fp32) from this batch unless ``done`` [2] (bool) says set.
+
+    Device-only (graph-safe, no host sync): ``g = amax * HEADROOM / (6 * 448)`` where amax is
+    finite and > 0; otherwise the scale is left as it was and ``done`` stays False.
+    """
+    amax = torch.stack([key.abs().amax(), value.abs().amax()]).float() if key.numel() else None
+    if amax is None:
+        return
+    ok = torch.isfinite(amax) & (amax > 0) & ~done
+    global_scales.copy_(torch.where(ok, amax * (HEADROOM / (6.0 * E4M3_MAX)), global_scales))
+    done.logical_or_(ok)
+
+
+def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping: torch.Tensor, *,
+                 check: bool = True) -> None:
+    """Quantize ``key``/``value`` [T, Hkv, D] to NVFP4 into their page slots (one program per token).
+
+    ``check=False`` skips argument validation (callers that validated the same layer before).
+    """
+    if check:
+        _check(key, value, k_pages, v_pages, slot_mapping)
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return

@@ -57,7 +57,7 @@ def test_gpt_oss_configuration_is_valid_on_sm121_and_sm90():
     from vllm.platforms.interface import DeviceCapability
 
     for cap in (DeviceCapability(12, 1), DeviceCapability(12, 0), DeviceCapability(9, 0)):
-        for kv in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
+        for kv in ("auto", "bfloat16", "fp8", "fp8_e4m3", "nvfp4"):
             for bs in (16, 32, 64):
                 assert _validate(device_capability=cap, kv_cache_dtype=kv, block_size=bs) == []
 
@@ -66,7 +66,8 @@ def test_gpt_oss_configuration_is_valid_on_sm121_and_sm90():
     "over,needle",
     [
         (dict(head_size=48), "head_size=48 not supported (supported: [32, 64"),
-        (dict(kv_cache_dtype="nvfp4"), "--kv-cache-dtype nvfp4 not supported (supported: auto, bfloat16"),
+        (dict(kv_cache_dtype="int8_per_token_head"), "--kv-cache-dtype int8_per_token_head not supported (supported: auto, bfloat16"),
+        (dict(kv_cache_dtype="nvfp4", head_size=80), "--kv-cache-dtype nvfp4 needs head_size in [16, 32, 64, 128, 256]"),
         (dict(block_size=8), "block_size=8 not supported (supported: multiples of 16)"),
         (dict(dtype=torch.float32), "dtype=torch.float32 not supported"),
         (dict(device_capability=None), "compute capability"),
@@ -89,6 +90,28 @@ def test_kv_cache_shape_and_bad_dtype():
     assert SM121AttentionBackend.get_kv_cache_shape(10, 16, 8, 64) == (10, 2, 8, 16, 64)
     with pytest.raises(ValueError, match="block_size=24"):
         SM121AttentionBackend.get_kv_cache_shape(10, 24, 8, 64)
+    with pytest.raises(ValueError, match="nvfp4 needs head_size"):
+        SM121AttentionBackend.get_kv_cache_shape(10, 16, 8, 80, "nvfp4")
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_size", [(16, 8, 64), (32, 8, 64), (16, 2, 128), (64, 4, 64)])
+@pytest.mark.parametrize("sliding", [None, 128])
+def test_nvfp4_cache_shape_is_exactly_vllms_page(block_size, num_kv_heads, head_size, sliding):
+    """vLLM views the raw page bytes as uint8 of our shape: the element count must equal its page size."""
+    import math
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
+
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+
+    kw = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.uint8,
+              kv_quant_mode=KVQuantMode.NVFP4)
+    spec = SlidingWindowSpec(sliding_window=sliding, **kw) if sliding else FullAttentionSpec(**kw)
+    shape = SM121AttentionBackend.get_kv_cache_shape(7, block_size, num_kv_heads, head_size, "nvfp4")
+    assert shape[:2] == (7, 2)
+    assert math.prod(shape[1:]) == spec.page_size_bytes
+    bf16 = SM121AttentionBackend.get_kv_cache_shape(7, block_size, num_kv_heads, head_size)
+    assert math.prod(shape) * 32 == math.prod(bf16) * 2 * 9  # 9/32 of the bf16 bytes
 
 
 def test_impl_keeps_per_layer_hyperparameters():

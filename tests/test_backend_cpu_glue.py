@@ -122,3 +122,64 @@ def test_cudagraph_capture_metadata(backend_parts):
     assert splits == md.num_splits[None]
     assert ws.acc.data_ptr() == builder._acc.data_ptr() and ws.ml.data_ptr() == builder._ml.data_ptr()
     assert md.splits_and_workspace(HQ, D, 16) == (1, None)
+
+
+def _slots(b, starts, ends):
+    return [int(b.block_table[i, p // BS]) * BS + p % BS for i, (s, e) in enumerate(zip(starts, ends)) for p in range(s, e)]
+
+
+@pytest.mark.parametrize("layer", ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"])
+def test_nvfp4_cache_through_the_backend(backend_parts, layer):
+    """--kv-cache-dtype nvfp4: the backend's cache shape, its write (calibrating the layer's global
+    scales from the first batch, tiny dummy-weight magnitudes included), and attention on the pages
+    match the reference computed on the dequantized cache; the null block is NaN bytes."""
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+    from vllm_sm121.kernels.fp4_kv import HEADROOM, Nvfp4Pages, fp4_kv_write_torch
+
+    builder, impls = backend_parts
+    old = impls[layer]
+    impl = SM121AttentionImpl(HQ, D, old.scale, HKV, None, old.sliding_window, "nvfp4", old.logits_soft_cap,
+                              "decoder", None, sinks=old.sinks)
+    impl.process_weights_after_loading(torch.bfloat16)
+    q_lens, seq_lens = [1, 5, 20], [70, 33, 20]
+    b = make_paged_batch(q_lens, seq_lens, num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
+    nb = b.key_cache.shape[0]
+    kv_cache = torch.zeros(SM121AttentionBackend.get_kv_cache_shape(nb, BS, HKV, D, "nvfp4"), dtype=torch.uint8)
+    kv_cache[0] = 0x7F  # null block: e4m3 NaN scales
+    layer_ns = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    g = torch.Generator().manual_seed(5)
+    # Step 1: the context before the new tokens, at dummy-weight magnitude (~1e-3).
+    ctx = _slots(b, [0] * 3, [s - q for s, q in zip(seq_lens, q_lens)])
+    k1 = (torch.randn(len(ctx), HKV, D, generator=g) * 1e-3).bfloat16()
+    v1 = (torch.randn(len(ctx), HKV, D, generator=g) * 1e-3).bfloat16()
+    impl.do_kv_cache_update(layer_ns, k1, v1, kv_cache, torch.tensor(ctx, dtype=torch.int64))
+    expect_g = torch.stack([k1.abs().amax(), v1.abs().amax()]).float() * HEADROOM / (6 * 448)
+    torch.testing.assert_close(impl._g, expect_g)
+    assert bool(impl._g_done.all()) and not impl._calibrating
+    # Step 2: the new tokens (3 graph-padding slots), written and attended in one step.
+    new = _slots(b, [s - q for s, q in zip(seq_lens, q_lens)], seq_lens)
+    slot_mapping = torch.tensor(new + [-1] * 3, dtype=torch.int64)
+    T = len(new) + 3
+    k2 = (torch.randn(T, HKV, D, generator=g) * 1e-3).bfloat16()
+    v2 = (torch.randn(T, HKV, D, generator=g) * 1e-3).bfloat16()
+    md = builder.build(0, _common(b, slot_mapping))
+    impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
+    torch.testing.assert_close(impl._g, expect_g)  # set once: later batches do not move it
+    q = (torch.randn(T, HQ, D, generator=g)).bfloat16()
+    output = torch.full((T, HQ * D), 7.0, dtype=torch.bfloat16)
+    impl.forward(layer_ns, q.view(T, HQ * D), k2, v2, kv_cache, md, output)
+    # Reference bytes: the torch writer with the same global scales, on the same cache.
+    ref_cache = torch.zeros_like(kv_cache)
+    ref_cache[0] = 0x7F
+    pk, pv = (Nvfp4Pages.view(ref_cache[:, i], HKV, BS, D, impl._g[i:i + 1]) for i in (0, 1))
+    fp4_kv_write_torch(k1, v1, pk, pv, torch.tensor(ctx, dtype=torch.int64))
+    fp4_kv_write_torch(k2, v2, pk, pv, slot_mapping)
+    assert torch.equal(kv_cache, ref_cache)
+    ref = paged_attention_torch(q, pk.dequantize(), pv.dequantize(), b.block_table, b.query_start_loc, b.seq_lens,
+                                scale=impl.scale, sliding_window=impl.sliding_window, softcap=impl.logits_soft_cap,
+                                sinks=impl._sinks_f32)
+    n = int(b.query_start_loc[-1])
+    assert_close(output[:n].view(n, HQ, D), ref[:n], what=f"nvfp4 {layer}")
+    assert (output[n:] == 7.0).all()
+    assert pk.dequantize()[1:].abs().max() > 0  # tiny magnitudes did not underflow to zero

@@ -94,3 +94,21 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
                           max_seq_len=max(seq_lens), scale=0.125, sliding_window=window, sinks=dev(sinks),
                           num_splits=splits)
     assert_close(out.cpu(), ref, what=kind)
+
+
+def test_global_scale_calibration_is_set_once_and_never_zero():
+    from vllm_sm121.kernels.fp4_kv import HEADROOM, calibrate_global_scales, default_global_scale
+
+    g = torch.full((2,), default_global_scale())
+    done = torch.zeros(2, dtype=torch.bool)
+    zeros = torch.zeros(4, 2, 64)
+    calibrate_global_scales(zeros, zeros, g, done)  # an all-zero (padding) batch sets nothing
+    assert not done.any() and torch.equal(g, torch.full((2,), default_global_scale()))
+    k = torch.randn(4, 2, 64) * 1e-3
+    v = torch.full((4, 2, 64), float("nan"))
+    calibrate_global_scales(k, v, g, done)  # V non-finite: K set, V left for a later batch
+    assert done.tolist() == [True, False]
+    assert g[0] == k.abs().amax() * HEADROOM / (6 * 448) and g[0] > 0
+    calibrate_global_scales(k * 100, k * 2, g, done)
+    assert done.all() and g[0] == k.abs().amax() * HEADROOM / (6 * 448)  # K not moved
+    assert g[1] == (k * 2).abs().amax() * HEADROOM / (6 * 448)

@@ -78,8 +78,7 @@ def diagnose() -> dict:
     features = {
         "SM121 attention backend (--attention-backend SM121)": (backend_ok, backend_why),
         "fp8 KV cache (--kv-cache-dtype fp8 with SM121)": (backend_ok, backend_why),
-        "nvfp4 KV cache (--kv-cache-dtype nvfp4)": (False, "kernels exist (vllm_sm121.kernels.fp4_kv) but the backend "
-                                                    "does not accept nvfp4 yet"),
+        "nvfp4 KV cache (--kv-cache-dtype nvfp4 with SM121)": (backend_ok, backend_why),
         "MXFP4 MoE with MXFP8 activations": (False, not_yet),
         "whole-model CUDA graph mode": (False, not_yet),
         "FP8 dense weights": (False, not_yet),

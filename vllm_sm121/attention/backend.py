@@ -22,7 +22,10 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleO
 
 from vllm_sm121 import compat, platform
 from vllm_sm121.kernels._validate import SUPPORTED_HEAD_SIZES
-SUPPORTED_KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]
+from vllm_sm121.kernels.fp4_kv import nvfp4_full_dim
+
+SUPPORTED_KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "nvfp4"]
+NVFP4_HEAD_SIZES = (16, 32, 64, 128, 256)
 
 
 class SM121AttentionBackend(AttentionBackend):
@@ -61,6 +64,13 @@ class SM121AttentionBackend(AttentionBackend):
                 f"SM121 attention: --kv-cache-dtype {cache_dtype_str} is not supported; "
                 f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
             )
+        if cache_dtype_str == "nvfp4":
+            if head_size not in NVFP4_HEAD_SIZES:
+                raise ValueError(f"SM121 attention: --kv-cache-dtype nvfp4 needs head_size in {list(NVFP4_HEAD_SIZES)}, "
+                                 f"got head_size={head_size}")
+            # uint8; per block and side (K, V): e2m1 data [Hkv][block_size][head_size/2], then e4m3
+            # scales [Hkv][block_size][head_size/16] -- exactly vLLM's nvfp4 page (9/32 of bf16).
+            return (num_blocks, 2, num_kv_heads * block_size * nvfp4_full_dim(head_size))
         # K and V halves; one page of one KV head is a contiguous [block_size, head_size] tile.
         return (num_blocks, 2, num_kv_heads, block_size, head_size)
 
@@ -114,4 +124,8 @@ class SM121AttentionBackend(AttentionBackend):
             "compute capability not supported": f"compute capability {cap} not supported "
             f"(supported: {platform.SUPPORTED_CAPABILITIES})",
         }
-        return [detail.get(r, r) for r in reasons]
+        reasons = [detail.get(r, r) for r in reasons]
+        if cfg.get("kv_cache_dtype") == "nvfp4" and cfg.get("head_size") not in NVFP4_HEAD_SIZES:
+            reasons.append(f"--kv-cache-dtype nvfp4 needs head_size in {list(NVFP4_HEAD_SIZES)} "
+                           f"(got head_size={cfg.get('head_size')})")
+        return reasons

@@ -13,6 +13,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_sm121 import envs
 from vllm_sm121.kernels import paged_attention, write_kv_cache
+from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write
 
 from .metadata import SM121AttentionMetadata
 
@@ -55,6 +56,17 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         # The kernels validate this layer's arguments on its first call only (host time per step).
         self._checked = False
         self._write_checked = False
+        # nvfp4: this layer's K and V global scales (set from the first batch it writes, on the
+        # device) and cached page views of vLLM's uint8 cache tensor.
+        self._nvfp4 = kv_cache_dtype == "nvfp4"
+        if self._nvfp4 and (head_size % 16 or head_size & (head_size - 1) or head_size > 256):
+            raise ValueError(f"--kv-cache-dtype nvfp4: head_size={head_size} is not supported; "
+                             "supported: 16, 32, 64, 128, 256")
+        self._g: torch.Tensor | None = None
+        self._g_done: torch.Tensor | None = None
+        self._calibrating = self._nvfp4
+        self._pages_key: tuple | None = None
+        self._pages: tuple[Nvfp4Pages, Nvfp4Pages] | None = None
         fault = envs.VLLM_SM121_FAULT
         if fault:
             logger.warning("SM121 attention: VLLM_SM121_FAULT=%s set: results are deliberately WRONG (tests only)", fault)
@@ -74,16 +86,55 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             # Loaded after __init__; keep an fp32 copy so forward() launches nothing extra.
             self._sinks_f32 = self.sinks.detach().float().contiguous()
 
-    def _kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, kv_cache: torch.Tensor):
+        if self._nvfp4:
+            return self._nvfp4_pages(kv_cache)
         if self.kv_cache_dtype in _FP8_CACHE:
             kv_cache = kv_cache.view(torch.float8_e4m3fn)
         return kv_cache[:, 0], kv_cache[:, 1]
+
+    def _nvfp4_pages(self, kv_cache: torch.Tensor) -> tuple[Nvfp4Pages, Nvfp4Pages]:
+        """K and V page views of the uint8 cache ``[num_blocks, 2, page_side_bytes]`` (cached)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+        if key != self._pages_key:
+            if self._g is None:
+                self._g = torch.full((2,), default_global_scale(), dtype=torch.float32, device=kv_cache.device)
+                self._g_done = torch.zeros(2, dtype=torch.bool, device=kv_cache.device)
+            if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or kv_cache.shape[1] != 2:
+                raise ValueError(f"nvfp4 KV cache must be uint8 [num_blocks, 2, bytes], got {kv_cache.dtype} "
+                                 f"{tuple(kv_cache.shape)}")
+            per_token = self.num_kv_heads * (self.head_size // 2 + self.head_size // 16)
+            block_size, rem = divmod(kv_cache.shape[2], per_token)
+            if rem:
+                raise ValueError(f"nvfp4 KV page of {kv_cache.shape[2]} bytes is not a whole number of tokens "
+                                 f"({per_token} bytes each)")
+            self._pages = tuple(Nvfp4Pages.view(kv_cache[:, i], self.num_kv_heads, block_size, self.head_size,
+                                                self._g[i:i + 1]) for i in (0, 1))
+            self._pages_key = key
+        return self._pages
+
+    def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Set this layer's nvfp4 K/V global scales from the first non-empty batch it writes.
+
+        Device-only; outside CUDA-graph capture the Python flag stops calling it once the device
+        says both are set (a single host sync per layer, in the first eager steps), so captured
+        graphs and later steps carry no calibration work.
+        """
+        calibrate_global_scales(key, value, self._g, self._g_done)
+        if not (key.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._calibrating = not bool(self._g_done.all())
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if self.kv_sharing_target_layer_name is not None:
             return
         key_cache, value_cache = self._kv(kv_cache)
         n = min(key.shape[0], slot_mapping.shape[0])
+        if self._nvfp4:
+            if self._calibrating:
+                self._calibrate(key[:n], value[:n])
+            fp4_kv_write(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n], check=not self._write_checked)
+            self._write_checked = True
+            return
         fp8 = self.kv_cache_dtype in _FP8_CACHE
         write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n],
                        k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None,
