@@ -34,6 +34,11 @@ for step in "$@"; do
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_numerics.log" | head -n 40; (exit $r) ;;
     e2e_graphs) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "graph" -p no:cacheprovider > "$OUT/e2e_graphs.log" 2>&1; r=$?
          grep -E "gap|Error|passed|failed" "$OUT/e2e_graphs.log" | head -n 40; (exit $r) ;;
+    kvacc) python3 benchmarks/kv_accuracy.py --kernel --out "$OUT/kv_accuracy.json" 2>&1 | tail -n 12 ;;
+    benchkv) for kv in fp8 nvfp4; do python3 benchmarks/attention.py --kv-dtype $kv --out "$OUT/attention_$kv.json" 2>&1 | tee "$OUT/bench_$kv.log" | grep -E "^(decode full|device|copy)" ; done ;;
+    e2e_kv) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "quantized or nvfp4" -p no:cacheprovider > "$OUT/e2e_kv.log" 2>&1; r=$?
+         grep -E "^\[|nvfp4|Error|passed|failed" "$OUT/e2e_kv.log" | head -n 40; (exit $r) ;;
+    doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
