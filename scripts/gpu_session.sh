@@ -34,6 +34,8 @@ for step in "$@"; do
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_numerics.log" | head -n 40; (exit $r) ;;
     e2e_graphs) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "graph" -p no:cacheprovider > "$OUT/e2e_graphs.log" 2>&1; r=$?
          grep -E "gap|Error|passed|failed" "$OUT/e2e_graphs.log" | head -n 40; (exit $r) ;;
+    eagle_nvfp4) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle_nvfp4.log" -- --kv-cache-dtype nvfp4 --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
+    kvcap) for kv in auto fp8 nvfp4; do python3 scripts/kv_capacity.py --model "${MODEL120:-.bundle/part2/models/gpt-oss-120b}" --kv-cache-dtype $kv; done 2>&1 | grep -E "^kv_capacity|Error" ;;
     kvacc) python3 benchmarks/kv_accuracy.py --kernel --out "$OUT/kv_accuracy.json" 2>&1 | tail -n 12 ;;
     benchkv) for kv in fp8 nvfp4; do python3 benchmarks/attention.py --kv-dtype $kv --out "$OUT/attention_$kv.json" 2>&1 | tee "$OUT/bench_$kv.log" | grep -E "^(decode full|device|copy)" ; done ;;
     e2e_kv) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "quantized or nvfp4" -p no:cacheprovider > "$OUT/e2e_kv.log" 2>&1; r=$?
