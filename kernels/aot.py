@@ -26,6 +26,8 @@ from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_fc2_combine_kernel
+from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
+from .moe_details._moe_route import _moe_route_kernel
 from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
 from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
@@ -154,8 +156,12 @@ def norm_specs(family: str) -> list[Spec]:
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8",
                                 s_ptr="*u8"), num_warps=4),
             Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4]", fn=_moe_fc1_swiglu_kernel,
-                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0),
+                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0, A_MXFP8=True),
                  ptr_types=dict(a_ptr="*u8", a_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
+                                topk_ids_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"), num_warps=4),
+            Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4, bf16 in]", fn=_moe_fc1_swiglu_kernel,
+                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0, A_MXFP8=False),
+                 ptr_types=dict(a_ptr="*bf16", a_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
                                 topk_ids_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"), num_warps=4),
             Spec(name="moe_fc2_combine[gpt-oss H2880 I2880 top4]", fn=_moe_fc2_combine_kernel,
                  constexprs=dict(H=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64),
@@ -163,8 +169,30 @@ def norm_specs(family: str) -> list[Spec]:
                                 topk_ids_ptr="*i32", topk_w_ptr="*fp32", out_ptr="*bf16"), num_warps=4)]
 
 
+def moe_specs(family: str) -> list[Spec]:
+    """Routing and the grouped (prefill) GEMMs at gpt-oss-120b shapes (the decode ones: norm_specs)."""
+    grouped = dict(sorted_pair_ptr="*i32", tile_expert_ptr="*i32", tile_start_ptr="*i32", tile_end_ptr="*i32",
+                   w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16")
+    specs = [Spec(name="moe_route[E128 top4]", fn=_moe_route_kernel, constexprs=dict(E=128, E_PAD=128, TOPK=4, TOPK_PAD=4),
+                  ptr_types=dict(logits_ptr="*bf16", topk_w_ptr="*fp32", topk_ids_ptr="*i32"), num_warps=1)]
+    for a_mxfp8 in (False, True):
+        specs.append(Spec(
+            name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in]",
+            fn=_moe_fc1_grouped_kernel,
+            constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0,
+                            A_MXFP8=a_mxfp8, DOT_FP32=False),
+            ptr_types=dict(a_ptr="*u8" if a_mxfp8 else "*bf16", a_scale_ptr="*u8", out_ptr="*u8", out_scale_ptr="*u8",
+                           **grouped), num_warps=4))
+    specs.append(Spec(
+        name="moe_fc2_grouped[gpt-oss H2880 I2880]", fn=_moe_fc2_grouped_kernel,
+        constexprs=dict(H=2880, I=2880, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False),
+        ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", out_ptr="*fp32", **grouped), num_warps=4))
+    return specs
+
+
 def all_specs(family: str) -> list[Spec]:
-    return attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
+    return (attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
+            + moe_specs(family))
 
 
 def compile_spec(spec: Spec, arch: int) -> Result:

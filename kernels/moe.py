@@ -1,40 +1,55 @@
-"""gpt-oss MoE, decode path: FC1 (MXFP8 x MXFP4) + bias + SwiGLU -> MXFP8; FC2 + bias, routing-weighted sum over the top-k -> bf16; references.
+"""gpt-oss MoE block: routing, FC1 (MXFP8 x MXFP4) + bias + SwiGLU -> MXFP8, FC2 + bias, routing-weighted sum over the top-k -> bf16; references.
 
 Architecture
-    ``moe_fc1_swiglu`` takes the MXFP8 activations the fused norm emits (``norm_mxfp8.py``), the
-    experts' MXFP4 weights in the gpt-oss checkpoint layout as loaded (``w13_weight`` [E, 2I,
-    K/2] uint8 e2m1 pairs, low nibble first; ``w13_weight_scale`` [E, 2I, K/32] e8m0; bias
-    [E, 2I]; gate/up rows interleaved), and writes the SwiGLU output already in MXFP8 for FC2, so
-    no quantization kernel runs between FC1 and FC2. SwiGLU is gpt-oss's: gate clamped to <= 7,
-    up to [-7, 7], ``(up + 1) * gate * sigmoid(1.702 * gate)``.
+    ``moe_block`` runs the whole routed-expert block from bf16 (or MXFP8) activations and bf16
+    router logits: ``moe_route`` (top-k, softmax over the selected, as gpt-oss), then for small
+    token counts the decode kernels ``moe_fc1_swiglu`` / ``moe_fc2_combine`` (one program per
+    (token, slot, BLOCK_N outputs), CUDA-core dot products, weights read as stored) and for large
+    ones the grouped GEMMs ``moe_fc1_swiglu_grouped`` / ``moe_fc2_grouped`` over pairs sorted by
+    expert (``moe_align``: torch ops with static shapes). Every path is graph-capturable: no host
+    sync, shapes depend only on the token count.
+
+    Weights are the gpt-oss checkpoint layout as loaded (``w13_weight`` [E, 2I, K/2] uint8 e2m1
+    pairs, low nibble first; ``w13_weight_scale`` [E, 2I, K/32] e8m0; bias [E, 2I]; gate/up rows
+    interleaved; ``w2_*`` [E, H, I/2], [E, H, I/32], [E, H]). FC1 takes MXFP8 activations (what
+    the fused norm emits, ``norm_mxfp8.py``) or bf16 ones, which it quantizes to MXFP8 in
+    registers (no quantized copy is written, no quantization kernel runs); its epilogue applies
+    gpt-oss's SwiGLU (gate clamped to <= 7, up to [-7, 7], ``(up + 1) * gate * sigmoid(1.702 *
+    gate)``) and writes MXFP8 for FC2.
+
+Instructions (sm_121a PTX, ``python -m vllm_sm121.kernels.aot``): the decode kernels are CUDA-core
+    fp32 FMAs; the grouped kernels' ``tl.dot`` on bf16 operands becomes ``mma.sync.aligned.m16n8k16
+    .bf16`` (upcast MMA, as ``tl.dot_scaled`` e4m3 x e2m1 also lowers to on sm_120a/121a).
 
 Limitations
-    Status: first kernel, CPU-tested, not run on a GPU, not tuned, not wired into vLLM. One
-    program per (token, expert slot, BLOCK_N outputs): CUDA-core dot products, i.e. a decode
-    (small-M) kernel; prefill needs the tensor-core path (``tl.dot_scaled``). e8m0 byte 0
-    (2**-127) is read as 2**-126 (only all-zero blocks use it).
+    Status: CPU-tested under the Triton interpreter; not yet run on a GPU, not tuned. No expert
+    parallelism (expert ids are global). e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero
+    blocks use it).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+
+from vllm_sm121 import platform as _platform
 
 from . import _validate as V
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_fc2_combine_kernel
+from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
+from .moe_details._moe_route import _moe_route_kernel
 from .nvfp4 import E2M1_VALUES
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 
 
-def moe_fc1_swiglu(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                   bias: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [M, K] e4m3 + a_scale [M, K/32] e8m0; returns (h [M*topk, I] e4m3, h_scale [M*topk, I/32] e8m0)."""
+def _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids) -> tuple[int, int, int, int, int]:
     V.check_ndim("a", a, 2, "[num_tokens, hidden]")
     V.check_ndim("w13", w13, 3, "[num_experts, 2 * intermediate, hidden / 2]")
     V.check_ndim("topk_ids", topk_ids, 2, "[num_tokens, topk]")
-    V.check_dtype("a", a, V.FP8_DTYPES)
+    V.check_dtype("a", a, V.FP8_DTYPES + (torch.bfloat16,))
     V.check_dtype("w13", w13, (torch.uint8,))
     V.check_dtype("topk_ids", topk_ids, (torch.int32,))
     m, k = a.shape
@@ -43,18 +58,34 @@ def moe_fc1_swiglu(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w1
     if k % 64 or k_half * 2 != k or i % 32:
         raise ValueError(f"hidden={k} (w13 holds {k_half * 2}) and intermediate={i} are not supported; "
                          "supported: hidden a multiple of 64 matching w13, intermediate a multiple of 32")
-    if a_scale.shape != (m, k // 32) or w13_scale.shape != (e, two_i, k // 32) or bias.shape != (e, two_i):
-        raise ValueError(f"scales/bias shapes a_scale={tuple(a_scale.shape)} w13_scale={tuple(w13_scale.shape)} "
-                         f"bias={tuple(bias.shape)} disagree with a={tuple(a.shape)}, w13={tuple(w13.shape)}")
-    topk = topk_ids.shape[1]
+    mxfp8 = a.dtype != torch.bfloat16
+    if mxfp8 and (a_scale is None or a_scale.shape != (m, k // 32)):
+        raise ValueError(f"MXFP8 activations need a_scale [{m}, {k // 32}] uint8, got "
+                         f"{None if a_scale is None else tuple(a_scale.shape)}")
+    if w13_scale.shape != (e, two_i, k // 32) or bias.shape != (e, two_i) or topk_ids.shape[0] != m:
+        raise ValueError(f"w13_scale={tuple(w13_scale.shape)}, bias={tuple(bias.shape)} or "
+                         f"topk_ids={tuple(topk_ids.shape)} disagree with a={tuple(a.shape)}, w13={tuple(w13.shape)}")
+    V.check_last_dim_contiguous("a", a)
+    if a.stride(0) != k:
+        raise ValueError(f"a must be contiguous [num_tokens, hidden], got strides {a.stride()}")
+    return m, k, e, i, topk_ids.shape[1]
+
+
+def moe_fc1_swiglu(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor,
+                   bias: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode FC1. a [M, K]: e4m3 with a_scale [M, K/32] e8m0, or bf16 (a_scale None: quantized
+    to MXFP8 in registers). Returns (h [M*topk, I] e4m3, h_scale [M*topk, I/32] e8m0), row = token * topk + slot."""
+    m, k, _e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
+    mxfp8 = a.dtype != torch.bfloat16
     out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
     # performance hyper-parameters (not tuned yet): 64 SwiGLU outputs (128 weight rows) x 64 of K per step
     block_n = 64 if i % 64 == 0 else 32
     if m:
         _moe_fc1_swiglu_kernel[(m * topk, i // block_n)](
-            a.view(torch.uint8), a_scale, w13, w13_scale, bias, topk_ids, out, out_scale,
-            K=k, I=i, TOPK=topk, BLOCK_N=block_n, BLOCK_K=64, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, num_warps=4)
+            a.view(torch.uint8) if mxfp8 else a, a_scale if mxfp8 else out_scale, w13, w13_scale, bias, topk_ids,
+            out, out_scale, K=k, I=i, TOPK=topk, BLOCK_N=block_n, BLOCK_K=64, ALPHA=SWIGLU_ALPHA,
+            LIMIT=SWIGLU_LIMIT, A_MXFP8=mxfp8, num_warps=4)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -68,10 +99,13 @@ def dequant_mxfp4_torch(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Ten
 
 
 def moe_fc1_swiglu_torch(a, a_scale, w13, w13_scale, bias, topk_ids):
+    """Reference of ``moe_fc1_swiglu``: ((h, h_scale), SwiGLU output in fp32 before quantization)."""
     from .norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 
+    if a.dtype == torch.bfloat16:
+        a, a_scale = mxfp8_quantize_torch(a.float())
     x = mxfp8_dequantize_torch(a, a_scale.clamp(min=1))  # [M, K]
-    m, topk = topk_ids.shape
+    _m, topk = topk_ids.shape
     ids = topk_ids.long().flatten()
     w = dequant_mxfp4_torch(w13[ids], w13_scale[ids])  # [M*topk, 2I, K]
     h = torch.einsum("pnk,pk->pn", w, x.repeat_interleave(topk, dim=0)) + bias[ids].float()
@@ -85,19 +119,7 @@ def moe_fc1_swiglu_torch(a, a_scale, w13, w13_scale, bias, topk_ids):
 def moe_fc2_combine(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                     bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """h [M*topk, I] e4m3 + h_scale [M*topk, I/32]; returns bf16 [M, H] = sum_j w_j (h_j W2[e_j]^T + b2[e_j])."""
-    V.check_ndim("w2", w2, 3, "[num_experts, hidden, intermediate / 2]")
-    V.check_dtype("h", h, V.FP8_DTYPES)
-    V.check_dtype("topk_ids", topk_ids, (torch.int32,))
-    V.check_dtype("topk_weights", topk_weights, (torch.float32,))
-    m, topk = topk_ids.shape
-    e, hidden, i_half = w2.shape
-    i = h.shape[1]
-    if i % 64 or i_half * 2 != i or h.shape[0] != m * topk:
-        raise ValueError(f"h {tuple(h.shape)} disagrees with w2 {tuple(w2.shape)} / topk_ids {tuple(topk_ids.shape)}; "
-                         "intermediate must be a multiple of 64")
-    if w2_scale.shape != (e, hidden, i // 32) or bias.shape != (e, hidden) or topk_weights.shape != (m, topk):
-        raise ValueError(f"w2_scale {tuple(w2_scale.shape)}, bias {tuple(bias.shape)} or topk_weights "
-                         f"{tuple(topk_weights.shape)} disagree with w2 {tuple(w2.shape)}")
+    m, topk, _e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
     block_n = 64  # performance hyper-parameter (not tuned yet)
     if m:
@@ -116,3 +138,179 @@ def moe_fc2_combine_torch(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights
     y = torch.einsum("phk,pk->ph", w, x) + bias[ids].float()
     m, topk = topk_ids.shape
     return (y.view(m, topk, -1) * topk_weights.float()[..., None]).sum(1)
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+def moe_route(router_logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: (topk_weights fp32 [M, topk], topk_ids int32 [M, topk]), the top-k logits in
+    descending order with a softmax over them (= vLLM's softmax over all experts, renormalized)."""
+    V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
+    V.check_last_dim_contiguous("router_logits", router_logits)
+    m, e = router_logits.shape
+    if not 0 < topk <= e:
+        raise ValueError(f"topk={topk} is not supported for {e} experts; supported: 1..{e}")
+    topk_w = torch.empty(m, topk, dtype=torch.float32, device=router_logits.device)
+    topk_ids = torch.empty(m, topk, dtype=torch.int32, device=router_logits.device)
+    if m:
+        _moe_route_kernel[(m,)](router_logits, topk_w, topk_ids, router_logits.stride(0), E=e,
+                                E_PAD=triton.next_power_of_2(e), TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
+                                num_warps=1)
+    return topk_w, topk_ids
+
+
+def moe_route_torch(router_logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, ids = torch.topk(router_logits.float(), topk, dim=-1)
+    return torch.softmax(vals, dim=-1), ids.int()
+
+
+# ---- prefill: grouped GEMMs over expert-sorted pairs -------------------------------------------
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Tile map for the grouped kernels, on the device with static shapes (graph-capturable).
+
+    Returns (sorted_pair [P] int32: pair ids token * topk + slot sorted by expert (stable),
+    tile_expert, tile_start, tile_end [NUM_TILES] int32) with NUM_TILES = cdiv(P, block_m) +
+    min(E, P), an upper bound of sum_e cdiv(count_e, block_m); unused tiles are empty.
+    """
+    flat = topk_ids.flatten().long()
+    p = flat.numel()
+    dev = topk_ids.device
+    _, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles, 0)
+    t = torch.arange(-(-p // block_m) + min(num_experts, p), device=dev)
+    expert = torch.searchsorted(tile_ends, t, right=True)
+    ec = expert.clamp(max=num_experts - 1)
+    start = (ends - counts)[ec] + (t - (tile_ends - tiles)[ec]) * block_m
+    end = torch.where(expert < num_experts, torch.minimum(start + block_m, ends[ec]), start)
+    return order.int(), ec.int(), start.int(), end.int()
+
+
+def _grouped_tiles(device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the grouped kernels."""
+    # performance hyper-parameters (not tuned yet); the interpreter gets the smallest legal dot tiles
+    if _platform.family_of(torch.empty(0, device=device)) == _platform.INTERPRETER:
+        return 16, 32, 32, 4
+    return 64, 64, 64, 4
+
+
+def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None):
+    """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs."""
+    m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
+    mxfp8 = a.dtype != torch.bfloat16
+    block_m, block_n, block_k, num_warps = _grouped_tiles(a.device)
+    block_n = min(block_n, 32 if i % 64 else 64)
+    out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
+    out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
+    if m:
+        order, tile_e, tile_s, tile_t = align if align is not None else moe_align(topk_ids, e, block_m)
+        _moe_fc1_grouped_kernel[(tile_e.numel(), -(-i // block_n))](
+            a.view(torch.uint8) if mxfp8 else a, a_scale if mxfp8 else out_scale, w13, w13_scale, bias,
+            order, tile_e, tile_s, tile_t, out, out_scale,
+            K=k, I=i, TOPK=topk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ALPHA=SWIGLU_ALPHA,
+            LIMIT=SWIGLU_LIMIT, A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER,
+            num_warps=num_warps)
+    return out.view(torch.float8_e4m3fn), out_scale
+
+
+def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[int, int, int, int, int]:
+    V.check_ndim("w2", w2, 3, "[num_experts, hidden, intermediate / 2]")
+    V.check_dtype("h", h, V.FP8_DTYPES)
+    V.check_dtype("topk_ids", topk_ids, (torch.int32,))
+    V.check_dtype("topk_weights", topk_weights, (torch.float32,))
+    m, topk = topk_ids.shape
+    e, hidden, i_half = w2.shape
+    i = h.shape[1]
+    if i % 64 or i_half * 2 != i or h.shape[0] != m * topk:
+        raise ValueError(f"h {tuple(h.shape)} disagrees with w2 {tuple(w2.shape)} / topk_ids {tuple(topk_ids.shape)}; "
+                         "intermediate must be a multiple of 64")
+    if w2_scale.shape != (e, hidden, i // 32) or bias.shape != (e, hidden) or topk_weights.shape != (m, topk):
+        raise ValueError(f"w2_scale {tuple(w2_scale.shape)}, bias {tuple(bias.shape)} or topk_weights "
+                         f"{tuple(topk_weights.shape)} disagree with w2 {tuple(w2.shape)}")
+    if h_scale.shape != (m * topk, i // 32):
+        raise ValueError(f"h_scale {tuple(h_scale.shape)} must be [{m * topk}, {i // 32}]")
+    return m, topk, e, hidden, i
+
+
+def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None) -> torch.Tensor:
+    """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H])."""
+    m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
+    block_m, block_n, block_k, num_warps = _grouped_tiles(h.device)
+    part = torch.empty(m, topk, hidden, dtype=torch.float32, device=h.device)
+    if m:
+        order, tile_e, tile_s, tile_t = align if align is not None else moe_align(topk_ids, e, block_m)
+        _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // block_n))](
+            h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
+            H=hidden, I=i, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, num_warps=num_warps)
+    # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
+    return part.sum(1).to(torch.bfloat16)
+
+
+# ---- the whole block ---------------------------------------------------------------------------
+
+# Token counts up to this use the decode kernels (each routed expert's rows streamed per pair);
+# larger ones the grouped GEMMs. Performance hyper-parameter, not tuned yet (benchmarks/moe.py
+# measures both paths: --paths decode grouped).
+DECODE_MAX_TOKENS = 8
+PATHS = ("auto", "decode", "grouped")
+
+
+def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+              w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w2_bias: torch.Tensor, topk: int,
+              x_scale: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+    """gpt-oss routed experts: bf16 [M, H] = sum over the top-k experts of w_j * FFN_j(x).
+
+    x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
+    (from the fused norm). router_logits: [M, E]. The path is chosen from M alone, so a captured
+    CUDA graph always replays the same kernels.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
+    topk_w, topk_ids = moe_route(router_logits, topk)
+    m = x.shape[0]
+    if path == "decode" or (path == "auto" and m <= DECODE_MAX_TOKENS):
+        h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
+        return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
+    block_m = _grouped_tiles(x.device)[0]
+    align = moe_align(topk_ids, w13.shape[0], block_m) if m else None
+    h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align)
+    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align)
+
+
+def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
+                    x_scale=None, activations: str = "mxfp8") -> torch.Tensor:
+    """Reference of ``moe_block`` in fp32 ([M, H]), one expert at a time (bounded memory at gpt-oss sizes).
+
+    activations="mxfp8": the kernels' numerics (MXFP8 into FC1 and into FC2). "bf16": the same
+    MXFP4 weights with bf16 activations (x as given, SwiGLU output rounded to bf16: what a
+    bf16-activation backend computes), to measure what the MXFP8 activations cost.
+    """
+    from .norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
+
+    if activations not in ("mxfp8", "bf16"):
+        raise ValueError(f"activations={activations!r} is not supported; supported: mxfp8, bf16")
+    if x.dtype != torch.bfloat16:
+        xf = mxfp8_dequantize_torch(x, x_scale.clamp(min=1))
+    elif activations == "mxfp8":
+        xf = mxfp8_dequantize_torch(*mxfp8_quantize_torch(x.float()))
+    else:
+        xf = x.float()
+    topk_w, topk_ids = moe_route_torch(router_logits, topk)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = xf[tok] @ dequant_mxfp4_torch(w13[e], w13_scale[e]).T + w13_bias[e].float()
+        gate, up = h[:, 0::2].clamp(max=SWIGLU_LIMIT), h[:, 1::2].clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        act = (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+        if activations == "mxfp8":
+            q, s = mxfp8_quantize_torch(act)
+            act = mxfp8_dequantize_torch(q, s.clamp(min=1))
+        else:
+            act = act.bfloat16().float()
+        o = act @ dequant_mxfp4_torch(w2[e], w2_scale[e]).T + w2_bias[e].float()
+        out.index_add_(0, tok, o * topk_w[tok, slot, None])
+    return out

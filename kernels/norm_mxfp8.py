@@ -70,4 +70,4 @@ def fused_add_rmsnorm_mxfp8_torch(x, residual, weight, eps: float = 1e-5):
 
 def mxfp8_dequantize_torch(vals: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     t, h = vals.shape
-    return (vals.float().view(t, -1, MX_BLOCK) * torch.exp2(scales.float() - 127)[..., None]).view(t, h)
+    return (vals.float().view(t, h // MX_BLOCK, MX_BLOCK) * torch.exp2(scales.float() - 127)[..., None]).view(t, h)

@@ -20,12 +20,13 @@ _registered: list[str] | None = None
 
 def _features() -> list[str]:
     """Register every finished feature with vLLM; return their names."""
-    from . import compat
+    from . import compat, moe
 
     compat.register_attention_backend()
     compat.register_drafter_inherits_sm121()
-    return [f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME}; "
-            "speculative drafters follow it unless their config names a backend)"]
+    attention = (f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME}; "
+                 "speculative drafters follow it unless their config names a backend)")
+    return [attention, moe.register()]
 
 
 def register() -> list[str]:

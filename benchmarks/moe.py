@@ -1,0 +1,346 @@
+"""gpt-oss MoE block benchmark: ours (``sm121``: MXFP4 x MXFP8 kernels) vs vLLM 0.26's MXFP4 MoE
+backends on the same card, same run.
+
+Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
+
+    python benchmarks/moe.py                          # gpt-oss-120b layer, M = 1..4096, all providers
+    python benchmarks/moe.py --m 1,8,512 --providers sm121,triton --reps 20
+    python benchmarks/moe.py --experts 32             # gpt-oss-20b layer
+    python benchmarks/moe.py --dry-run                # CPU, Triton interpreter: tiny shapes, ours only
+
+Shapes
+    gpt-oss-120b expert layer: hidden 2880, intermediate 2880, 128 experts, top-4, biases, gpt-oss
+    SwiGLU; weights in the checkpoint's MXFP4 layout with random valid e2m1 codes and e8m0 scales
+    2**-9..2**-6 (dummy loading would leave zeros); x and router logits N(0, 1) bf16, so routing
+    is near uniform (M tokens touch ~min(E, 4M) experts).
+
+Providers (each one vLLM ``FusedMoE`` layer built and called through vLLM's own layer API:
+``FusedMoE(...)`` under ``set_current_vllm_config``, weights copied into its parameters,
+``quant_method.process_weights_after_loading``, ``layer(x, router_logits)`` under
+``set_forward_context``, i.e. MoERunner -> ``vllm::moe_forward`` -> the method)
+    sm121           our ``Sm121Mxfp4MoEMethod`` (``sm121_mxfp4`` config resolved to "mxfp8");
+                    sm121_decode / sm121_grouped: its two paths forced (kernel launcher only).
+    triton          ``GptOssMxfp4MoEMethod`` with ``--moe-backend triton``: vLLM's default on sm_90
+                    (vendored triton_kernels ``matmul_ogs``, bf16 x mxfp4).
+    marlin          ``GptOssMxfp4MoEMethod`` with ``--moe-backend marlin`` (W4A16; GB10's default).
+                    ``VLLM_MARLIN_INPUT_DTYPE=fp8`` (W4A8) is SM89/SM12x-only and raises on sm_90.
+    A provider that cannot be built on the card gets a row with its error.
+
+Timing
+    One CUDA graph per (provider, M) holding one layer call; each replay after a 256 MiB write
+    that evicts L2; CUDA events; p20/p50/p80 over --reps. Bytes moved: the distinct experts the
+    routing touches (their MXFP4 blocks, scales and biases, both GEMMs) + activations in/out;
+    % of copy bandwidth: bytes / p50 over a device-to-device 1 GiB copy measured in this run.
+
+Correctness (--refcheck, default on): each provider's output vs the dequantized fp32 reference
+``moe_block_torch`` (MXFP8 activations) and vs the bf16-activation reference (rel L2).
+
+Output: a table and JSON (--out, default results/moe.json): header (device, capability,
+versions, commit from VLLM_SM121_COMMIT or git, copy bandwidth) + one record per (provider, M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROVIDERS = ("sm121", "sm121_decode", "sm121_grouped", "triton", "marlin")
+DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+FLUSH_BYTES = 256 << 20
+COPY_BYTES = 1 << 30
+NO_CUDA_MESSAGE = "benchmarks/moe.py needs a CUDA GPU (use --dry-run on the CPU)"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", default=None, help="token counts, comma separated (default 1..4096)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2880)
+    ap.add_argument("--inter", type=int, default=2880)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-refcheck", dest="refcheck", action="store_false")
+    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "moe.json"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, ours only")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.hidden, args.inter, args.experts = 64, 64, 8
+        args.m = args.m or "1,3,17"
+        args.reps = 1
+    args.m = [int(x) for x in (args.m.split(",") if args.m else DEFAULT_M)]
+    args.providers = [p for p in args.providers.split(",") if p]
+    bad = sorted(set(args.providers) - set(PROVIDERS))
+    if bad:
+        ap.error(f"unknown providers {bad}; supported: {', '.join(PROVIDERS)}")
+    return args
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+def make_weights(args, device, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    e, h, i = args.experts, args.hidden, args.inter
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
+
+    def scales(*shape):
+        return torch.randint(118, 122, shape, generator=g, dtype=torch.uint8).to(device)
+
+    def bias(*shape):
+        return (torch.randn(shape, generator=g) * 0.1).bfloat16().to(device)
+
+    return {"w13_weight": codes(e, 2 * i, h // 2), "w13_weight_scale": scales(e, 2 * i, h // 32), "w13_bias": bias(e, 2 * i),
+                "w2_weight": codes(e, h, i // 2), "w2_weight_scale": scales(e, h, i // 32), "w2_bias": bias(e, h)}
+
+
+def expert_bytes(args) -> int:
+    h, i = args.hidden, args.inter
+    return (2 * i * (h // 2 + h // 32) + 2 * i * 2) + (h * (i // 2 + i // 32) + h * 2)
+
+
+def bytes_moved(args, topk_ids: torch.Tensor) -> int:
+    m = topk_ids.shape[0]
+    return int(topk_ids.unique().numel()) * expert_bytes(args) + m * args.hidden * 2 * 2 + m * args.experts * 2
+
+
+# ---- providers (each returns fn() -> bf16 [M, H]) -------------------------------------------------
+
+_DIST_READY = False
+
+
+def _init_vllm_dist():
+    global _DIST_READY
+    if _DIST_READY:
+        return
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}",
+                                 backend="nccl")
+    initialize_model_parallel(1, 1)
+    _DIST_READY = True
+
+
+def make_vllm_layer(provider: str, args, weights: dict):
+    """A vLLM FusedMoE layer with ``provider``'s method; returns (fn(x, logits), info)."""
+    from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+
+    from vllm_sm121.moe.method import Sm121GptOssMxfp4Config
+
+    _init_vllm_dist()
+    if provider == "sm121":
+        quant_config = Sm121GptOssMxfp4Config()
+        quant_config._moe = "mxfp8"  # what resolve_moe gives gpt-oss with --attention-backend SM121
+        backend = "auto"
+    else:
+        quant_config, backend = GptOssMxfp4Config(), provider
+    vc = VllmConfig(kernel_config=KernelConfig(moe_backend=backend))
+    with set_current_vllm_config(vc), torch.device("cuda"):
+        layer = FusedMoE(num_experts=args.experts, top_k=args.topk, hidden_size=args.hidden,
+                         intermediate_size=args.inter, params_dtype=torch.bfloat16, renormalize=True,
+                         quant_config=quant_config, prefix=f"bench.{provider}.experts", has_bias=True,
+                         activation="swigluoai", apply_router_weight_on_input=False)
+    experts = layer.routed_experts
+    with torch.no_grad():
+        for name, w in weights.items():
+            p = getattr(experts, name)
+            if p.dim() == 3:
+                p.data[:, : w.shape[1], : w.shape[2]].copy_(w)  # backends that pad keep the checkpoint top-left
+            else:
+                p.data[:, : w.shape[1]].copy_(w)
+    experts.quant_method.process_weights_after_loading(experts)
+    info = type(experts.quant_method).__name__ + "/" + str(getattr(experts.quant_method, "mxfp4_backend", "sm121"))
+
+    def fn(x, logits):
+        with set_forward_context(None, vc):
+            return layer(x, logits)[:, : args.hidden]
+
+    return fn, info
+
+
+def make_kernel_path(path: str, args, weights: dict):
+    from vllm_sm121.kernels.moe import moe_block
+
+    w = weights
+
+    def fn(x, logits):
+        return moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], w["w2_weight"],
+                         w["w2_weight_scale"], w["w2_bias"], args.topk, path=path)
+
+    return fn, f"kernels.moe.moe_block(path={path})"
+
+
+def make_provider(provider: str, args, weights: dict, device):
+    if provider.startswith("sm121_"):
+        return make_kernel_path(provider.split("_", 1)[1], args, weights)
+    if device.type != "cuda":
+        return make_kernel_path("auto", args, weights) if provider == "sm121" else None
+    return make_vllm_layer(provider, args, weights)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def time_graph(fn, reps: int, flush: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    out = fn()  # warm up (compiles / autotunes)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times, out
+
+
+def measure_copy_bandwidth(device, reps: int = 10) -> float:
+    """GB/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3)
+    return 2 * COPY_BYTES / statistics.median(ts) / 1e9
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def header(device, copy_gbps) -> dict:
+    commit = os.environ.get("VLLM_SM121_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=REPO_ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+        except OSError:
+            commit = None
+    versions = {}
+    for pkg in ("vllm", "torch", "triton", "vllm-sm121"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cuda = device.type == "cuda"
+    return {"benchmark": "moe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",
+                "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+                "versions": versions, "commit": commit, "copy_gbps": copy_gbps}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda")
+    from vllm_sm121.kernels.moe import moe_block_torch, moe_route_torch
+
+    weights = make_weights(args, device)
+    copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
+    head = header(device, copy_gbps)
+    print(f"device {head['device']}  copy bandwidth {copy_gbps or float('nan'):.0f} GB/s  commit {head['commit']}  "
+          f"shape H={args.hidden} I={args.inter} E={args.experts} top{args.topk}")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    providers = {}
+    for p in args.providers:
+        try:
+            providers[p] = make_provider(p, args, weights, device)
+        except Exception as e:  # noqa: BLE001 - a provider that cannot run on this card is a result
+            providers[p] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    records = []
+    print(f"{'provider':<14}{'M':>6}{'p50 us':>11}{'p20':>11}{'p80':>11}{'MB moved':>10}{'GB/s':>8}{'% copy':>8}"
+          f"{'relL2 ref':>11}{'relL2 bf16':>11}  info")
+    for m in args.m:
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, args.hidden, generator=g).bfloat16().to(device)
+        logits = torch.randn(m, args.experts, generator=g).bfloat16().to(device)
+        nbytes = bytes_moved(args, moe_route_torch(logits, args.topk)[1])
+        ref = ref_bf16 = None
+        if args.refcheck:
+            wargs = [weights[k] for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight",
+                                          "w2_weight_scale", "w2_bias")]
+            ref = moe_block_torch(x, logits, *wargs, args.topk)
+            ref_bf16 = moe_block_torch(x, logits, *wargs, args.topk, activations="bf16")
+        for p, prov in providers.items():
+            rec = {"provider": p, "m": m, "bytes": nbytes, "hidden": args.hidden, "inter": args.inter, "experts": args.experts,
+                       "topk": args.topk}
+            if prov is None or isinstance(prov, str):
+                rec["status"] = prov or "skipped: needs CUDA"
+                records.append(rec)
+                print(f"{p:<14}{m:>6}  {rec['status']}")
+                continue
+            fn, info = prov
+            try:
+                if device.type == "cuda":
+                    times, out = time_graph(lambda: fn(x, logits), args.reps, flush)  # noqa: B023
+                else:
+                    t0 = time.perf_counter()
+                    out = fn(x, logits)
+                    times = [(time.perf_counter() - t0) * 1e6]
+            except Exception as e:  # noqa: BLE001
+                rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                records.append(rec)
+                print(f"{p:<14}{m:>6}  {rec['status']}")
+                continue
+            p50 = pct(times, 0.5)
+            rec.update(status="ok", info=info, us_p20=pct(times, 0.2), us_p50=p50, us_p80=pct(times, 0.8),
+                       gbps=nbytes / p50 / 1e3)
+            if copy_gbps:
+                rec["pct_copy_bw"] = 100 * rec["gbps"] / copy_gbps
+            if ref is not None:
+                o = out.float()
+                rec["rel_l2_vs_ref"] = ((o - ref).norm() / ref.norm()).item()
+                rec["rel_l2_vs_bf16_act"] = ((o - ref_bf16).norm() / ref_bf16.norm()).item()
+            records.append(rec)
+            print(f"{p:<14}{m:>6}{p50:>11.1f}{rec['us_p20']:>11.1f}{rec['us_p80']:>11.1f}{nbytes / 1e6:>10.1f}"
+                  f"{rec['gbps']:>8.0f}{rec.get('pct_copy_bw', float('nan')):>8.1f}"
+                  f"{rec.get('rel_l2_vs_ref', float('nan')):>11.2e}{rec.get('rel_l2_vs_bf16_act', float('nan')):>11.2e}"
+                  f"  {info}")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))
+    print(f"wrote {out_path}")
+    bad = [r for r in records if r["provider"].startswith("sm121") and r.get("status") != "ok"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The whole gpt-oss MoE block (routing -> FC1+SwiGLU -> FC2 combine) through our vLLM MoE method.
+
+CPU (Triton interpreter): ``Sm121Mxfp4MoEMethod`` built with vLLM's own ``FusedMoEConfig`` and
+upstream's weight creation, filled with random valid e2m1 codes and e8m0 scales, against the
+dequantized pure-torch reference, for the decode (M <= DECODE_MAX_TOKENS) and grouped paths.
+GPU (``-m gpu``): gpt-oss-120b / 20b layer shapes, M up to 2048; the error of MXFP8 activations
+against a bf16-activation reference is reported separately from the kernel error.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from vllm_sm121.kernels import moe as K
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    m: int
+    hidden: int
+    inter: int
+    experts: int
+    topk: int
+
+
+CPU_CASES = [Case(1, 64, 64, 4, 2), Case(3, 64, 64, 8, 4), Case(17, 64, 128, 8, 4), Case(0, 64, 64, 4, 2)]
+
+
+def make_moe_config(c: Case):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+
+    return FusedMoEConfig(num_experts=c.experts, experts_per_token=c.topk, hidden_dim=c.hidden,
+                          intermediate_size=c.inter, num_local_experts=c.experts, num_logical_experts=c.experts,
+                          activation=MoEActivation.SWIGLUOAI, device="cpu", routing_method=RoutingMethodType.Renormalize,
+                          moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
+                          has_bias=True)
+
+
+def fill_random_mxfp4_(layer: torch.nn.Module, seed: int, base_exp: int = 118) -> None:
+    """What ``--load-format dummy`` does not do: random valid e2m1 codes (both nibbles, every code)
+    and e8m0 scales 2**-9..2**-6 (weights ~0.01-0.1), biases N(0, 0.25)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in ("w13_weight", "w2_weight"):
+            p = getattr(layer, name)
+            p.copy_(torch.randint(0, 256, p.shape, generator=g, dtype=torch.uint8))
+        for name in ("w13_weight_scale", "w2_weight_scale"):
+            p = getattr(layer, name)
+            p.copy_(torch.randint(base_exp, base_exp + 4, p.shape, generator=g, dtype=torch.uint8))
+        for name in ("w13_bias", "w2_bias"):
+            p = getattr(layer, name)
+            p.copy_((torch.randn(p.shape, generator=g) * 0.5).bfloat16())
+
+
+def build_layer(c: Case, device: str, seed: int = 0, fill: bool = True):
+    from vllm_sm121.moe.method import Sm121Mxfp4MoEMethod
+
+    moe = make_moe_config(c)
+    method = Sm121Mxfp4MoEMethod(moe)
+    layer = torch.nn.Module()
+    layer.moe_config = moe
+    method.create_weights(layer, c.experts, c.hidden, moe.intermediate_size_per_partition, torch.bfloat16)
+    if fill:
+        fill_random_mxfp4_(layer, seed)
+    layer.to(device)
+    method.process_weights_after_loading(layer)
+    return method, layer
+
+
+def reference(layer, x, logits, topk, activations="mxfp8"):
+    return K.moe_block_torch(x, logits, layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight,
+                             layer.w2_weight_scale, layer.w2_bias, topk, activations=activations)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def assert_block_close(out: torch.Tensor, ref: torch.Tensor, what: str):
+    """bf16 output of fp32 sums in another order than the reference; a few MXFP8 roundings of the
+    SwiGLU output can land on the other side of a tie (one e4m3 step of one element)."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
+    assert torch.isfinite(out.float()).all(), f"{what}: non-finite output"
+    if ref.numel():
+        assert rel_l2(out, ref) < 5e-3, f"{what}: relative L2 {rel_l2(out, ref):.2e}"
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2,
+                                   msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("c", CPU_CASES, ids=lambda c: f"M{c.m}-H{c.hidden}-I{c.inter}-E{c.experts}-top{c.topk}")
+def test_method_matches_dequantized_reference(device, c):
+    method, layer = build_layer(c, device, seed=c.m)
+    g = torch.Generator().manual_seed(100 + c.m)
+    x = torch.randn(c.m, c.hidden, generator=g).bfloat16().to(device)
+    logits = torch.randn(c.m, c.experts, generator=g).bfloat16().to(device)
+    out = method.apply_monolithic(layer, x, logits)
+    ref = reference(layer, x, logits, c.topk)
+    assert_block_close(out, ref, f"{c}")
+    if c.m:
+        assert ref.abs().max() > 0.3  # the GEMMs saw real values
+        ref_bf16 = reference(layer, x, logits, c.topk, activations="bf16")
+        err = rel_l2(ref, ref_bf16)
+        print(f"\n{c}: kernel vs MXFP8 ref {rel_l2(out, ref):.2e}; MXFP8 vs bf16 activations {err:.2e} (rel L2)")
+        assert err < 3e-2
+
+
+@pytest.mark.interpreter
+def test_decode_and_grouped_paths_agree(device):
+    c = Case(5, 64, 64, 4, 2)
+    _method, layer = build_layer(c, device, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(c.m, c.hidden, generator=g).bfloat16().to(device)
+    logits = torch.randn(c.m, c.experts, generator=g).bfloat16().to(device)
+    args = (layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight, layer.w2_weight_scale,
+            layer.w2_bias, c.topk)
+    dec = K.moe_block(x, logits, *args, path="decode")
+    grp = K.moe_block(x, logits, *args, path="grouped")
+    assert rel_l2(dec, grp) < 5e-3
+    # MXFP8 input (what the fused norm will hand over) gives the same result as bf16 quantized in FC1.
+    from vllm_sm121.kernels.norm_mxfp8 import mxfp8_quantize_torch
+
+    q, s = mxfp8_quantize_torch(x.float().cpu())
+    for path in ("decode", "grouped"):
+        out = K.moe_block(q.to(device), logits, *args, x_scale=s.to(device), path=path)
+        assert rel_l2(out, dec) < 5e-3, path
+
+
+@pytest.mark.interpreter
+def test_dummy_weights_give_finite_bias_only_output(device):
+    """--load-format dummy leaves codes and scales at 0 and activations ~1e-3: output is the
+    routing-weighted w2 bias, no NaN/inf from scales."""
+    c = Case(2, 64, 64, 4, 2)
+    method, layer = build_layer(c, device, fill=False)
+    with torch.no_grad():
+        layer.w13_bias.uniform_(-1e-3, 1e-3)
+        layer.w2_bias.uniform_(-1e-3, 1e-3)
+    x = (torch.rand(c.m, c.hidden) * 2e-3 - 1e-3).bfloat16().to(device)
+    logits = (torch.rand(c.m, c.experts) * 2e-3 - 1e-3).bfloat16().to(device)
+    out = method.apply_monolithic(layer, x, logits)
+    w, ids = K.moe_route_torch(logits.cpu(), c.topk)
+    expect = (layer.w2_bias.cpu().float()[ids.long()] * w[..., None]).sum(1)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.cpu().float(), expect, atol=1e-5, rtol=1e-2)
+
+
+@pytest.mark.interpreter
+def test_routing_kernel_matches_topk_softmax(device):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 32, generator=g).bfloat16()
+    w, ids = K.moe_route(logits.to(device), 4)
+    rw, rids = K.moe_route_torch(logits, 4)
+    assert torch.equal(ids.cpu(), rids)
+    torch.testing.assert_close(w.cpu(), rw, rtol=1e-6, atol=1e-7)
+    # vLLM's gpt-oss routing: softmax over all experts, top-k, renormalize -- the same weights.
+    full = torch.softmax(logits.float(), -1).gather(1, rids.long())
+    torch.testing.assert_close(w.cpu(), full / full.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+def test_align_tiles_cover_every_pair_once():
+    g = torch.Generator().manual_seed(4)
+    for m, e, topk, bm in ((1, 4, 2, 16), (37, 8, 4, 16), (64, 128, 4, 64), (5, 3, 3, 2)):
+        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).int()
+        order, te, ts, tt = K.moe_align(ids, e, bm)
+        seen = []
+        for t in range(te.numel()):
+            rows = order[ts[t]:tt[t]].long()
+            assert tt[t] - ts[t] <= bm
+            assert (ids.flatten()[rows] == te[t]).all()
+            seen += rows.tolist()
+        assert sorted(seen) == list(range(m * topk))
+
+
+# ---- GPU: gpt-oss shapes ------------------------------------------------------------------------
+
+GPU_MS = (1, 2, 4, 8, 16, 64, 256, 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,experts", [("gpt-oss-120b", 128), ("gpt-oss-20b", 32)])
+@pytest.mark.parametrize("m", GPU_MS)
+def test_gpt_oss_shapes_on_gpu(model, experts, m):
+    c = Case(m, 2880, 2880, experts, 4)
+    method, layer = build_layer(c, "cuda", seed=m)
+    g = torch.Generator().manual_seed(1000 + m)
+    x = torch.randn(m, c.hidden, generator=g).bfloat16().cuda()
+    logits = torch.randn(m, experts, generator=g).bfloat16().cuda()
+    out = method.apply_monolithic(layer, x, logits)
+    ref = reference(layer, x, logits, c.topk)
+    ref_bf16 = reference(layer, x, logits, c.topk, activations="bf16")
+    print(f"\n{model} M={m}: kernel vs MXFP8 reference rel L2 {rel_l2(out, ref):.2e}, max|d| "
+          f"{(out.float() - ref).abs().max().item():.3e} (max|ref| {ref.abs().max().item():.3f}); "
+          f"MXFP8 vs bf16 activations rel L2 {rel_l2(ref, ref_bf16):.2e}, kernel vs bf16-activation ref "
+          f"{rel_l2(out, ref_bf16):.2e}")
+    assert_block_close(out, ref, f"{model} M={m}")
+    assert rel_l2(ref, ref_bf16) < 3e-2
+    # Both paths at the decode/grouped boundary give the same answer.
+    if m <= 16:
+        args = (layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight, layer.w2_weight_scale,
+                layer.w2_bias, c.topk)
+        grouped = K.moe_block(x, logits, *args, path="grouped")
+        assert rel_l2(grouped, out) < 5e-3
+
+
+@pytest.mark.gpu
+def test_decode_block_is_graph_capturable():
+    c = Case(4, 2880, 2880, 128, 4)
+    method, layer = build_layer(c, "cuda")
+    x = torch.randn(c.m, c.hidden, device="cuda").bfloat16()
+    logits = torch.randn(c.m, c.experts, device="cuda").bfloat16()
+    for path_m in (4, 256):  # decode and grouped
+        xs, ls = x.repeat(path_m // 4, 1), logits.repeat(path_m // 4, 1)
+        eager = method.apply_monolithic(layer, xs, ls)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = method.apply_monolithic(layer, xs, ls)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), path_m

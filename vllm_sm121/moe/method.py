@@ -1,0 +1,153 @@
+"""The gpt-oss MXFP4 config that vLLM instantiates for ``sm121_mxfp4``, and our fused-MoE method.
+
+Architecture
+    ``Sm121GptOssMxfp4Config`` subclasses vLLM's ``GptOssMxfp4Config`` (same name, same weight
+    creation and loading; linear and attention layers as upstream). Its ``get_quant_method``
+    resolves the ``moe`` option once, with the model's VllmConfig current (``resolve_moe``), and
+    gives each gpt-oss ``RoutedExperts`` either ``Sm121Mxfp4MoEMethod`` or upstream's
+    ``GptOssMxfp4MoEMethod``.
+
+    ``Sm121Mxfp4MoEMethod`` is monolithic (vLLM hands it the router logits): ``apply_monolithic``
+    runs ``kernels.moe.moe_block`` -- routing (top-k, softmax over the selected), FC1 + SwiGLU
+    with MXFP8 activations, FC2 + routing-weighted sum to bf16 -- with decode kernels for small
+    token counts and grouped GEMMs for large ones, graph-capturable throughout.
+
+Constraints
+    Weights stay in the checkpoint layout (``w13_weight`` [E, 2I, H/2] e2m1 pairs with gate/up
+    rows interleaved, ``*_weight_scale`` e8m0 per 32, bf16 biases), which is what the kernels
+    read: ``process_weights_after_loading`` only validates and makes them contiguous once (no
+    MXFP4 padding either: ``maybe_roundup_sizes`` is the base class's). No expert parallelism.
+
+upstream file: ``vllm/model_executor/layers/quantization/mxfp4.py`` (``GptOssMxfp4Config``,
+``GptOssMxfp4MoEMethod``).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe import (
+    FusedMoEConfig,
+    FusedMoEMethodBase,
+    RoutedExperts,
+)
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.quantization.mxfp4 import (
+    GptOssMxfp4Config,
+    GptOssMxfp4MoEMethod,
+)
+
+from . import resolve_moe
+
+_ALIGN = 64  # hidden and per-rank intermediate sizes must be multiples of this (kernel tiles)
+
+
+def unsupported_reason(layer: torch.nn.Module) -> str | None:
+    """Why this RoutedExperts layer cannot use our method (None: it can)."""
+    moe: FusedMoEConfig = layer.moe_config
+    checks = (
+        (moe.moe_parallel_config.use_ep, "expert parallelism"),
+        (moe.activation != MoEActivation.SWIGLUOAI, f"activation {moe.activation}"),
+        (not moe.has_bias, "experts without biases"),
+        (not getattr(layer, "renormalize", True) or getattr(layer, "scoring_func", "softmax") != "softmax"
+         or getattr(layer, "use_grouped_topk", False) or getattr(layer, "custom_routing_function", None) is not None
+         or getattr(layer, "e_score_correction_bias", None) is not None,
+         "routing other than softmax top-k renormalized"),
+        (getattr(layer, "apply_router_weight_on_input", False), "router weight applied on the input"),
+        (moe.hidden_dim % _ALIGN or moe.intermediate_size_per_partition % _ALIGN,
+         (f"hidden {moe.hidden_dim} / intermediate per rank {moe.intermediate_size_per_partition} "
+         f"not multiples of {_ALIGN}")),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+class Sm121GptOssMxfp4Config(GptOssMxfp4Config):
+    """vLLM's gpt-oss MXFP4 config whose experts run our kernels when the ``moe`` option says so.
+
+    ``get_name()`` stays "gpt_oss_mxfp4": vLLM's expert weight loader
+    (``RoutedExperts.weight_loader``) loads the combined gpt-oss expert tensors only for that name.
+    """
+
+    def __init__(self, ignored_layers: list[str] | None = None):
+        super().__init__(ignored_layers)
+        self._moe: str | None = None  # resolved on first get_quant_method (config current then)
+
+    def resolved_moe(self) -> str:
+        if self._moe is None:
+            from vllm.config import get_current_vllm_config
+
+            self._moe = resolve_moe(get_current_vllm_config())
+            from vllm.logger import init_logger
+
+            init_logger("vllm.sm121").info("gpt-oss MoE: %s", {
+                "mxfp8": "vllm-sm121 MXFP4 x MXFP8 kernels", "upstream": "upstream vLLM MXFP4 MoE"}[self._moe])
+        return self._moe
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, RoutedExperts) and self.resolved_moe() == "mxfp8":
+            reason = unsupported_reason(layer)
+            if reason is None:
+                return Sm121Mxfp4MoEMethod(layer.moe_config)
+            from vllm.config import get_current_vllm_config
+
+            from vllm_sm121 import config as sm121_config
+
+            if sm121_config.from_vllm_config(get_current_vllm_config()).moe == "mxfp8":
+                raise ValueError(f'--additional-config \'{{"sm121": {{"moe": "mxfp8"}}}}\': {prefix} is not '
+                                 f"supported ({reason}); use \"moe\": \"upstream\"")
+            from vllm.logger import init_logger
+
+            init_logger("vllm.sm121").warning_once("gpt-oss MoE %s: %s not supported, using upstream's", prefix, reason)
+        return super().get_quant_method(layer, prefix)
+
+
+class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
+    """gpt-oss MXFP4 experts with MXFP8 activations (``vllm_sm121.kernels.moe.moe_block``)."""
+
+    def __init__(self, moe: FusedMoEConfig):
+        super().__init__(moe)
+        self.weight_dtype = "gpt_oss_mxfp4"  # gpt_oss.py's loader keys on "mxfp4" in this string
+        self.topk = moe.experts_per_token
+
+    @property
+    def is_monolithic(self) -> bool:
+        return True  # routing is ours too: vLLM hands apply_monolithic the router logits
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        # Exactly upstream's parameters (names, shapes, dtypes, loader attributes), so the
+        # checkpoint and --load-format dummy load unchanged. It reads only self.moe.
+        GptOssMxfp4MoEMethod.create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                                            params_dtype, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        e, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        expected = {
+            "w13_weight": ((e, 2 * inter, hidden // 2), torch.uint8),
+            "w13_weight_scale": ((e, 2 * inter, hidden // 32), torch.uint8),
+            "w13_bias": ((e, 2 * inter), torch.bfloat16),
+            "w2_weight": ((e, hidden, inter // 2), torch.uint8),
+            "w2_weight_scale": ((e, hidden, inter // 32), torch.uint8),
+            "w2_bias": ((e, hidden), torch.bfloat16),
+        }
+        for name, (shape, dtype) in expected.items():
+            p = getattr(layer, name)
+            if tuple(p.shape) != shape or p.dtype != dtype:
+                raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(p.shape)} {p.dtype}")
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+
+    def get_fused_moe_quant_config(self, layer):
+        return None  # no modular kernel: apply_monolithic runs the whole block
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
+                         input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from vllm_sm121.kernels.moe import moe_block
+
+        return moe_block(x.contiguous(), router_logits.contiguous(), layer.w13_weight, layer.w13_weight_scale,
+                         layer.w13_bias, layer.w2_weight, layer.w2_weight_scale, layer.w2_bias, self.topk)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        raise NotImplementedError("Sm121Mxfp4MoEMethod is monolithic: vLLM calls apply_monolithic")
