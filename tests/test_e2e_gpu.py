@@ -45,20 +45,21 @@ def checkpoint(tmp_path_factory):
     return _write(tmp_path_factory, "tiny")
 
 
-def _run(checkpoint, backend, prompts, *, graphs=False, gen=0, fault=None, kv_cache_dtype="auto"):
+def _run(checkpoint, backend, prompts, *, graphs=False, gen=0, fault=None, kv_cache_dtype="auto", moe="upstream"):
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     # As `vllm serve` does: engine and workers are spawned, and load the plugin by entry point.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from vllm import LLM, SamplingParams
 
-    # graphs: a cudagraph_mode name (FULL, or vLLM's default FULL_AND_PIECEWISE), small capture sizes
+    # moe: the attention checks pin vLLM's MoE ("upstream") so they measure attention alone;
+    # the MoE test switches it. graphs: a cudagraph_mode name (FULL, or vLLM's default FULL_AND_PIECEWISE), small capture sizes
     kw = dict(compilation_config={"cudagraph_mode": graphs, "max_cudagraph_capture_size": 8}) if graphs \
         else dict(enforce_eager=True)
     if fault:
         os.environ["VLLM_SM121_FAULT"] = fault  # read by the spawned workers
     llm = LLM(model=checkpoint, skip_tokenizer_init=True, attention_backend=backend, max_model_len=4096,
               max_num_batched_tokens=256, gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0,
-              kv_cache_dtype=kv_cache_dtype, **kw)
+              kv_cache_dtype=kv_cache_dtype, additional_config={"sm121": {"moe": moe}}, **kw)
     os.environ.pop("VLLM_SM121_FAULT", None)
     try:
         sp = SamplingParams(max_tokens=max(gen, 1), prompt_logprobs=0, logprobs=0, temperature=0.0,
@@ -223,3 +224,24 @@ def _write_once():
         _CKPT["tiny"] = write_random_gpt_oss_checkpoint(str(ROOT / "models" / "gpt-oss-tiny"), tempfile.mkdtemp(),
                                                         seed=0)
     return _CKPT["tiny"]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_moe_mxfp8_logprobs_reported(model, tmp_path_factory):
+    """SM121 attention with the plugin's MXFP4 x MXFP8 MoE vs with vLLM's MXFP4 MoE (random real-format
+    expert weights: non-zero e2m1 codes), teacher-forced prompt logprobs, next to the spread of two
+    upstream attention backends. MXFP8 activations add rounding upstream's bf16 activations do not
+    have, so this is reported with a sanity bound (well under the logprob signal), eager and graphs."""
+    ckpt = _write(tmp_path_factory, model)
+    prompts = _prompts(PROMPT_LENS)
+    triton = _run(ckpt, "TRITON_ATTN", prompts)[0]
+    spread = _diffs(_run(ckpt, "FLASH_ATTN", prompts)[0], triton)
+    upstream_moe = _run(ckpt, "SM121", prompts, moe="upstream")[0]
+    signal = torch.cat(upstream_moe).std().item()
+    for graphs in (False, "FULL_AND_PIECEWISE"):
+        ours = _run(ckpt, "SM121", prompts, moe="mxfp8", graphs=graphs)[0]
+        gap = _diffs(ours, upstream_moe)
+        print(f"\n[{model}] MoE mxfp8 vs upstream MoE (SM121 attention, graphs={graphs}): |delta logprob| mean "
+              f"{gap[0]:.4g} p99 {gap[1]:.4g}; upstream attention spread mean {spread[0]:.4g} p99 {spread[1]:.4g}; "
+              f"logprob std {signal:.3g}")
+        assert gap[0] < 0.25 * signal, (gap, signal)
