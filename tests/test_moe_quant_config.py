@@ -10,6 +10,20 @@ from vllm_sm121 import moe
 from vllm_sm121.moe import quant_config as qc
 
 GPT_OSS = types.SimpleNamespace(model_type="gpt_oss")
+
+
+@pytest.fixture(autouse=True)
+def moe_ready(monkeypatch):
+    """The MoE path is gated off (vllm_sm121.moe.READY) until it passes on a GPU; these tests
+    exercise its wiring as it will be switched on, and register its config themselves."""
+    import dataclasses
+
+    from vllm_sm121 import config
+
+    monkeypatch.setattr(moe, "READY", True)
+    monkeypatch.setitem(config.OPTIONS, "moe", dataclasses.replace(config.OPTIONS["moe"],
+                                                                   implemented=("mxfp8", "upstream")))
+    moe.register()
 LLAMA = types.SimpleNamespace(model_type="llama")
 
 
@@ -156,3 +170,15 @@ def test_vllm_model_config_probe_picks_it_for_gpt_oss(monkeypatch):
     assert ModelConfig(model="models/gpt-oss-tiny", skip_tokenizer_init=True).quantization == "sm121_mxfp4"
     monkeypatch.setattr(qc, "_current_vllm_config", lambda: vllm_config(sm121={"moe": "upstream"}))
     assert ModelConfig(model="models/gpt-oss-tiny", skip_tokenizer_init=True).quantization == "gpt_oss_mxfp4"
+
+
+def test_gated_off_until_ready(monkeypatch):
+    """While READY is False: nothing is claimed, the option value is refused, stock MoE runs."""
+    from vllm_sm121 import config
+
+    monkeypatch.setattr(moe, "READY", False)
+    assert moe.resolve_moe(vllm_config()) == "upstream"
+    monkeypatch.undo()
+    assert "mxfp8" not in config.OPTIONS["moe"].implemented
+    with pytest.raises(ValueError, match="not implemented"):
+        config.parse({"sm121": {"moe": "mxfp8"}})

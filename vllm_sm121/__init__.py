@@ -26,7 +26,7 @@ def _features() -> list[str]:
     compat.register_drafter_inherits_sm121()
     attention = (f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME}; "
                  "speculative drafters follow it unless their config names a backend)")
-    return [attention, moe.register()]
+    return [attention] + ([moe.register()] if moe.READY else [])
 
 
 def register() -> list[str]:

@@ -28,9 +28,9 @@ class Option:
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in (
-        Option("moe", ("mxfp8", "upstream"), ("mxfp8", "upstream"), None,
+        Option("moe", ("mxfp8", "upstream"), ("upstream",), None,
                "gpt-oss MXFP4 experts with MXFP8 activations (on by default for gpt-oss MXFP4 checkpoints "
-               "with --attention-backend SM121, see vllm_sm121.moe.resolve_moe); 'upstream' keeps vLLM's MoE"),
+               "with --attention-backend SM121 once vllm_sm121.moe.READY; see resolve_moe); 'upstream' keeps vLLM's MoE"),
         Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16",), "bf16",
                "qkv / o / lm_head weight format"),
         Option("cudagraph", ("upstream", "whole_model"), ("upstream",), "upstream",

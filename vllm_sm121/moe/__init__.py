@@ -41,6 +41,12 @@ from __future__ import annotations
 from typing import Any
 
 QUANT_NAME = "sm121_mxfp4"
+
+# Not enabled in this release: on an H200 (first GPU run) the gpt-oss-shape block tests failed
+# for M >= 2 and the decode/grouped kernels were ~30x slower than vLLM's MoE (benchmarks/moe.py).
+# While False the plugin registers nothing for the MoE (stock vLLM MoE, stock quantization name)
+# and "moe": "mxfp8" is refused as not implemented. Tests flip it to exercise the wiring.
+READY = False
 GPT_OSS_QUANT_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 
 
@@ -60,6 +66,8 @@ def resolve_moe(vllm_config: Any, hf_config: Any = None, hf_quant_cfg: Any = Non
     from vllm_sm121 import compat, config
 
     moe = config.from_vllm_config(vllm_config).moe
+    if not READY:
+        return "upstream"
     if moe == "upstream":
         return "upstream"
     if hf_config is None:  # the model of this config (an override probe passes the checkpoint's)

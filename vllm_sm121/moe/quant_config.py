@@ -54,7 +54,9 @@ class Sm121Mxfp4Config(QuantizationConfig):
         provisionally: ``get_quant_method`` decides with the full config and hands the layers to
         upstream's method when the option resolves to "upstream".
         """
-        if not is_gpt_oss_mxfp4(hf_quant_cfg, hf_config):
+        from . import READY
+
+        if not READY or not is_gpt_oss_mxfp4(hf_quant_cfg, hf_config):
             return None
         if user_quant not in (None, QUANT_NAME, "mxfp4", "gpt_oss_mxfp4"):
             return None  # the user asked for another method
