@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see ../shared/gpu-bundle/README.md): install the vLLM bundle's last
 # part, this package, then run the named steps, logging to $OUT.
-#   bash scripts/gpu_session.sh <part-dir> [tests|e2e|bench|quickbench|tune|aot]...
+#   bash scripts/gpu_session.sh <part-dir> [tests|e2e|bench|quickbench|tune|aot|moebench|moetests]...
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 part=$1; shift
@@ -26,6 +26,9 @@ for step in "$@"; do
          grep -E "Error|error|gap|spread|passed|failed" "$OUT/e2e_full.log" | grep -v "^\s*$" | head -n 60; tail -n 5 "$OUT/e2e_full.log"; (exit $r) ;;
     bench) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -n 150 ;;
     quickbench) python3 benchmarks/attention.py --quick --out "$OUT/attention_quick.json" 2>&1 | tee "$OUT/bench.log" | tail -n 80 ;;
+    e2equick) python3 benchmarks/e2e.py --quick ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_quick${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_quick${E2E_TAG:-}.log" | tail -n 60 ;;
+    e2e120b) python3 benchmarks/e2e.py --model "$part/models/gpt-oss-120b" ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_120b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_120b${E2E_TAG:-}.log" | tail -n 60 ;;
+    e2e20b) python3 benchmarks/e2e.py --model models/gpt-oss-20b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_20b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_20b${E2E_TAG:-}.log" | tail -n 60 ;;
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
     serve) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_fp.log" -- --max-cudagraph-capture-size 8 ;;
     servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 8 ;;
@@ -36,10 +39,14 @@ for step in "$@"; do
          grep -E "gap|Error|passed|failed" "$OUT/e2e_graphs.log" | head -n 40; (exit $r) ;;
     eagle_nvfp4) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle_nvfp4.log" -- --kv-cache-dtype nvfp4 --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
     kvcap) for kv in auto fp8 nvfp4; do python3 scripts/kv_capacity.py --model "${MODEL120:-.bundle/part2/models/gpt-oss-120b}" --kv-cache-dtype $kv; done 2>&1 | grep -E "^kv_capacity|Error" ;;
+    e2e_moe) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "moe" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
+         grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     kvacc) python3 benchmarks/kv_accuracy.py --kernel --out "$OUT/kv_accuracy.json" 2>&1 | tail -n 12 ;;
     benchkv) for kv in fp8 nvfp4; do python3 benchmarks/attention.py --kv-dtype $kv --out "$OUT/attention_$kv.json" 2>&1 | tee "$OUT/bench_$kv.log" | grep -E "^(decode full|device|copy)" ; done ;;
     e2e_kv) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "quantized or nvfp4" -p no:cacheprovider > "$OUT/e2e_kv.log" 2>&1; r=$?
          grep -E "^\[|nvfp4|Error|passed|failed" "$OUT/e2e_kv.log" | head -n 40; (exit $r) ;;
+    moebench) python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 80 ;;
+    moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

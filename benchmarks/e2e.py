@@ -1,0 +1,1528 @@
+"""End-to-end gpt-oss benchmark, llama-bench style: upstream vLLM 0.26 at its best vs the
+SM121 plugin with each of its switches, one card, one run, dummy weights, token-id prompts.
+
+Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
+
+    python benchmarks/e2e.py --quick                        # 20b, pp2048 + tg128 b1/b8, ~6-8 min
+    python benchmarks/e2e.py --model <dir>/gpt-oss-120b      # full: all points, defaults
+    python benchmarks/e2e.py --model gpt-oss-20b --configs sm121,upstream-triton --iters 5
+    python benchmarks/e2e.py --merge a.json b.json --out all.json   # one table from split runs
+    python benchmarks/e2e.py --dry-run --model gpt-oss-20b  # no GPU: plan, LLM kwargs, bytes
+
+    On the GPU machine: ``bash scripts/gpu_session.sh <part-dir> e2equick`` (or ``e2e120b``,
+    ``e2e20b``); ``E2E_CONFIGS=a,b`` picks configurations and ``E2E_TAG`` suffixes the output
+    names, so a run longer than one call is split over calls and joined with ``--merge``.
+    Set ``VLLM_SM121_COMMIT`` where the tree has no .git.
+
+Models
+    ``--model`` (repeatable): a shipped config name (``gpt-oss-20b``, ``gpt-oss-tiny`` under
+    models/) or any gpt-oss config directory (the 120b config: ../shared/models/gpt-oss-120b
+    here, .bundle/part2/models/gpt-oss-120b on the GPU machine). Default: gpt-oss-20b.
+    Weights are vLLM's ``load_format="dummy"``; no tokenizer (``skip_tokenizer_init``).
+
+Configurations (``CONFIGS`` below; ``--configs a,b``; a new plugin switch is one more line)
+    Each configuration runs in a fresh Python process (vLLM engines do not give all GPU
+    memory back); results come back through a JSON file; a configuration whose engine fails
+    to start is recorded with its error and the run goes on. The exact LLM(...) kwargs of
+    each are printed and stored. ``--llm-kwargs JSON`` is merged into every configuration
+    (dicts merged recursively; ``null`` deletes a key).
+
+Points (``POINTS`` below; ``--points a,b``)
+    pp2048      batch-1 prefill: 2048 / t(2048-token prompt, max_tokens=1) tok/s (includes the
+                ~10 ms per-request overhead, as the upstream baseline does).
+    tg128       decode after a 16-token prompt, batch 1 / 8 / 32 (tg128-b8, tg128-b32):
+                ms/step = (t(max_tokens=128) - t(max_tokens=1)) / 127 on the same prompts,
+                tok/s = batch / ms/step (prefill and request overhead cancel out).
+    tg128@32k   the same at batch 1 after a 32768-token prompt (needs max_model_len >= 32896:
+                the plan sets it; a smaller one given with --llm-kwargs skips the point, noted).
+    Every point: --warmup untimed runs of each timed shape (Triton JIT, autotuning), then
+    --iters timed repetitions (t(1) and t(128) interleaved per repetition); medians reported,
+    with the min-max spread of the per-repetition values. Greedy, ignore_eos, prefix caching
+    off, fixed random token ids per point. ``--quick``: 20b, pp2048 / tg128 / tg128-b8,
+    ``compilation_config={"max_cudagraph_capture_size": 8}``, 1 warm-up, 2 iters (functional
+    numbers); the full run keeps vLLM's default compilation config (numbers to report).
+
+Bytes per decoded token (``decode_bytes``; from the model's config.json)
+    weights read per step: qkv / o projections (bf16; fp8 or mxfp4 with the plugin's
+    dense_weights switch) with their biases and the fp32 sinks; router bf16; the experts
+    touched, MXFP4 = 4.25 bits/param (e2m1 + one e8m0 scale per 32) plus their fp32 biases (as
+    vLLM's MXFP4 MoE holds them) -- at batch B the expected number of distinct experts per layer
+    E * (1 - (1 - k/E)^B); norms; lm_head (same format as the dense projections); one embedding
+    row per sequence. KV read at the mean context of the timed decode steps (prompt + 64):
+    sliding-window layers min(ctx, window) tokens, full layers ctx; bytes per element bf16 2,
+    fp8 1, nvfp4 0.5625 (e2m1 + an e4m3 scale per 16). Per decoded token = per step / batch.
+    gpt-oss-120b at batch 1, short context: 1.94 GB attention projections + router, 1.91 GB
+    experts, 1.16 GB lm_head = 5.0 GB (the 1.9 + 1.9 + 1.2 GB of the design notes).
+
+Bandwidth and the GB10 projection
+    The card's copy bandwidth is measured in the same run (its own process, before the
+    configurations: device-to-device copy of 1 GiB, (read + written bytes) / time, median of 10).
+    % BW = (bytes per step / measured step time) / copy bandwidth. GB10 projection =
+    273 GB/s x that efficiency / bytes per token, i.e. assuming the same fraction of copy
+    bandwidth on GB10 (where batch-1 decode is far more bandwidth-bound than on H100/H200, so
+    the projection is a floor). Printed beside the published GB10 figures for gpt-oss-120b:
+    llama.cpp tg32 57.8-59.0 and pp2048 ~2,450 tok/s; vLLM in eager mode 29-31 tok/s.
+
+Output
+    A table per model (config x point: tok/s, ms/step with spread, GB/token, % BW, GB10
+    projection, ratio to the best upstream configuration), JSON (--out; header with device,
+    capability, versions, git commit (VLLM_SM121_COMMIT or git rev-parse), copy bandwidth; per
+    configuration the exact LLM kwargs, the engine's resolved settings, the backend lines of its
+    log, per-point raw samples) and a PNG next to it when matplotlib is importable. Each
+    configuration's full log goes to <out>.logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import dataclasses
+import datetime
+import importlib.metadata
+import inspect
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_MODELS_DIR = REPO_ROOT / "models"
+SHIPPED_MODELS = ("gpt-oss-20b", "gpt-oss-tiny")
+DEFAULT_MODEL = "gpt-oss-20b"
+
+GB10_BANDWIDTH_GBPS = 273.0
+# Published GB10 (DGX Spark) figures for gpt-oss-120b, quoted beside the projection.
+PUBLISHED_GB10 = {
+    "gpt-oss-120b": {
+        "pp2048": "llama.cpp pp2048 ~2,450",
+        "tg128": "llama.cpp tg32 57.8-59.0; vLLM eager 29-31",
+    }
+}
+
+CHILD_FLAG = "--_child"
+LOG_PREFIX = "[e2e]"
+COPY_BYTES = 1 << 30
+SHORT_PROMPT = 16
+GEN = 128
+LONG_PROMPT = 32768
+
+
+# ---------------------------------------------------------------------------------------------
+# configurations and points: data tables
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    llm_kwargs: dict[str, Any]  # merged over the base kwargs (see llm_kwargs_for)
+    note: str
+    upstream: bool = False  # a baseline: "vs up" divides by the best of these
+    default: bool = True  # in the default --configs
+
+
+SM121 = {"attention_backend": "SM121"}
+UP, OFF = {"upstream": True}, {"default": False}
+# fmt: off
+CONFIGS: tuple[Config, ...] = (
+    Config("upstream-default", {}, "stock vLLM selection (FLASH_ATTN = FA3 on sm_90)", **UP),
+    Config("upstream-triton", {"attention_backend": "TRITON_ATTN"}, "stock TRITON_ATTN", **UP),
+    Config("sm121", {**SM121}, "plugin, its defaults (bf16 KV)"),
+    Config("sm121-fp8kv", {**SM121, "kv_cache_dtype": "fp8"}, "SM121, fp8-e4m3 KV cache"),
+    Config("sm121-nvfp4kv", {**SM121, "kv_cache_dtype": "nvfp4"}, "SM121, NVFP4 KV cache"),
+    # Plugin switches of design.md's table go through additional_config: one line each.
+    Config("sm121-upstream-moe", {**SM121, "additional_config": {"sm121": {"moe": "upstream"}}},
+           "SM121 attention with vLLM's own MoE (isolates the backend)", **OFF),
+    # Config("sm121-fp8w", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
+    #        "SM121, FP8 qkv/o/lm_head"),
+    # Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
+    #        "SM121, whole-model graph"),
+)
+# fmt: on
+CONFIG_NAMES = tuple(c.name for c in CONFIGS)
+DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS if c.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    name: str
+    kind: str  # "pp": prefill tok/s; "tg": step time from the max_tokens difference
+    batch: int
+    prompt_len: int
+    gen_len: int  # max_tokens of the long run (tg); pp: 1
+
+    @property
+    def decode_ctx(self) -> int:
+        """Mean context (KV tokens per sequence) of the timed decode steps."""
+        return self.prompt_len + self.gen_len // 2
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+
+POINTS: tuple[Point, ...] = (
+    Point("pp2048", "pp", 1, 2048, 1),
+    Point("tg128", "tg", 1, SHORT_PROMPT, GEN),
+    Point("tg128-b8", "tg", 8, SHORT_PROMPT, GEN),
+    Point("tg128-b32", "tg", 32, SHORT_PROMPT, GEN),
+    Point("tg128@32k", "tg", 1, LONG_PROMPT, GEN),
+    Point("tg128@2k", "tg", 1, 2048, GEN),  # the upstream baseline's tg128@2048
+)
+POINT_NAMES = tuple(p.name for p in POINTS)
+FULL_POINTS = ("pp2048", "tg128", "tg128-b8", "tg128-b32", "tg128@32k")
+QUICK_POINTS = ("pp2048", "tg128", "tg128-b8")
+QUICK_COMPILATION = {"max_cudagraph_capture_size": 8}
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes per decoded token
+# ---------------------------------------------------------------------------------------------
+
+KV_BYTES_PER_ELEM = {
+    "bf16": 2.0,
+    "fp8": 1.0,
+    "nvfp4": 0.5625,
+}  # nvfp4: (D/2 + D/16) / D
+DENSE_BYTES_PER_PARAM = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 4.25 / 8}
+MXFP4_BYTES_PER_PARAM = (
+    4.25 / 8
+)  # e2m1 (4 bits) + one e8m0 scale (8 bits) per 32 values
+
+
+def model_shape(cfg: dict) -> dict[str, Any]:
+    """The numbers of a gpt-oss hf config.json that decide the bytes read per step."""
+    try:
+        nq = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+        shape = {
+            "layers": layers,
+            "hidden": hidden,
+            "q_heads": nq,
+            "kv_heads": int(cfg["num_key_value_heads"]),
+            "head_dim": int(cfg.get("head_dim") or hidden // nq),
+            "experts": int(cfg["num_local_experts"]),
+            "top_k": int(top_k),
+            "intermediate": int(cfg["intermediate_size"]),
+            "vocab": int(cfg["vocab_size"]),
+            "window": cfg.get("sliding_window"),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a gpt-oss config (missing or bad field {e})") from e
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    shape["sliding_layers"] = sum(t == "sliding_attention" for t in types)
+    shape["full_layers"] = layers - shape["sliding_layers"]
+    return shape
+
+
+def expected_distinct_experts(experts: int, top_k: int, batch: int) -> float:
+    """E * (1 - (1 - k/E)^B): distinct experts a batch of B tokens touches per layer."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** batch)
+
+
+def decode_bytes(
+    cfg: dict, *, batch: int = 1, ctx: int = 1, kv: str = "bf16", dense: str = "bf16"
+) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` sequences at context ``ctx`` reads (see docstring)."""
+    s = model_shape(cfg)
+    if kv not in KV_BYTES_PER_ELEM:
+        raise ValueError(f"kv: {kv!r}; supported: {', '.join(KV_BYTES_PER_ELEM)}")
+    if dense not in DENSE_BYTES_PER_PARAM:
+        raise ValueError(
+            f"dense: {dense!r}; supported: {', '.join(DENSE_BYTES_PER_PARAM)}"
+        )
+    if batch < 1 or ctx < 1:
+        raise ValueError(f"batch and ctx must be >= 1, got {batch}, {ctx}")
+    layers, h, hd = s["layers"], s["hidden"], s["head_dim"]
+    nq, nkv, n_exp, inter = s["q_heads"], s["kv_heads"], s["experts"], s["intermediate"]
+    dense_b = DENSE_BYTES_PER_PARAM[dense]
+    qkv_out = (nq + 2 * nkv) * hd
+    attn = layers * (
+        (h * qkv_out + nq * hd * h) * dense_b  # qkv_proj, o_proj weights
+        + (qkv_out + h) * 2  # their bf16 biases
+        + nq * 4  # fp32 sinks
+    )
+    router = layers * (h * n_exp + n_exp) * 2
+    per_expert = (h * 2 * inter + inter * h) * MXFP4_BYTES_PER_PARAM + (
+        2 * inter + h
+    ) * 4
+    distinct = expected_distinct_experts(n_exp, s["top_k"], batch)
+    experts = layers * distinct * per_expert
+    norms = (2 * layers + 1) * h * 2
+    lm_head = s["vocab"] * h * dense_b
+    embed = batch * h * 2
+    window = s["window"]
+    sliding_ctx = min(ctx, int(window)) if window else ctx
+    kv_tokens = s["full_layers"] * ctx + s["sliding_layers"] * sliding_ctx
+    kv_bytes = batch * kv_tokens * 2 * nkv * hd * KV_BYTES_PER_ELEM[kv]
+    weights = attn + router + experts + norms + lm_head + embed
+    total = weights + kv_bytes
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "kv_dtype": kv,
+        "dense_weights": dense,
+        "distinct_experts_per_layer": distinct,
+        "attention_proj": attn,
+        "router": router,
+        "experts": experts,
+        "norms": norms,
+        "lm_head": lm_head,
+        "embed": embed,
+        "weights": weights,
+        "kv": kv_bytes,
+        "per_step": total,
+        "per_token": total / batch,
+    }
+
+
+def kv_kind(kv_cache_dtype: str | None) -> str:
+    """LLM(kv_cache_dtype=...) -> the bytes model's kv format."""
+    v = (kv_cache_dtype or "auto").lower()
+    if v in ("auto", "bfloat16", "float16", "bf16", "fp16"):
+        return "bf16"  # gpt-oss activations are bf16
+    if v.startswith("fp8"):
+        return "fp8"
+    if v == "nvfp4":
+        return "nvfp4"
+    raise ValueError(
+        f"kv_cache_dtype {kv_cache_dtype!r}: the bytes model knows auto/bf16/fp8*/nvfp4"
+    )
+
+
+def dense_kind(llm_kwargs: dict) -> str:
+    extra = (llm_kwargs.get("additional_config") or {}).get("sm121") or {}
+    return extra.get("dense_weights", "bf16")
+
+
+def point_bytes(cfg: dict, pt: Point, llm_kwargs: dict) -> dict[str, float] | None:
+    """decode_bytes for a decode point under these LLM kwargs (None: prefill, or a format
+    the bytes model does not know)."""
+    if pt.kind != "tg":
+        return None
+    try:
+        kv = kv_kind(llm_kwargs.get("kv_cache_dtype"))
+        return decode_bytes(
+            cfg, batch=pt.batch, ctx=pt.decode_ctx, kv=kv, dense=dense_kind(llm_kwargs)
+        )
+    except ValueError:
+        return None
+
+
+def model_key(cfg: dict) -> str | None:
+    """gpt-oss-120b / gpt-oss-20b by shape (the published GB10 figures are per model)."""
+    try:
+        s = model_shape(cfg)
+    except ValueError:
+        return None
+    if s["hidden"] == 2880 and s["layers"] == 36 and s["experts"] == 128:
+        return "gpt-oss-120b"
+    if s["hidden"] == 2880 and s["layers"] == 24 and s["experts"] == 32:
+        return "gpt-oss-20b"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# plan: models x configs x points, LLM kwargs
+# ---------------------------------------------------------------------------------------------
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """``over`` into a copy of ``base``: dicts recursively, ``None`` deletes the key."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def base_llm_kwargs(
+    model_dir: Path, hf: dict, points: list[Point], quick: bool, seed: int
+) -> dict:
+    needed = max(4096, round_up(max(p.max_len for p in points), 1024))
+    positions = int(hf.get("max_position_embeddings") or 0)
+    kw: dict[str, Any] = {
+        "model": str(model_dir),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": seed,
+        "enable_prefix_caching": False,  # the timed runs repeat their prompts
+        # longest point; the model's limit caps it (points beyond it are skipped, noted)
+        "max_model_len": min(needed, positions) if positions else needed,
+    }
+    if quick:
+        kw["compilation_config"] = dict(QUICK_COMPILATION)
+    return kw
+
+
+def llm_kwargs_for(config: Config, base: dict, override: dict) -> dict:
+    return deep_merge(deep_merge(base, config.llm_kwargs), override)
+
+
+@dataclasses.dataclass
+class ModelPlan:
+    name: str
+    path: Path
+    hf_config: dict
+    key: str | None
+    # per configuration: {"config", "note", "upstream", "llm_kwargs", "points", "skipped"}
+    runs: list[dict]
+
+
+def resolve_model(text: str) -> Path:
+    """A shipped config name or a config directory; ValueError names the option and choices."""
+    p = Path(text).expanduser()
+    candidates = (
+        [p]
+        if p.is_absolute()
+        else [Path.cwd() / p, REPO_ROOT / p, SHIPPED_MODELS_DIR / p]
+    )
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c.resolve()
+    raise ValueError(
+        f"--model: {text!r} is not a directory holding a config.json; use a shipped config "
+        f"({', '.join(SHIPPED_MODELS)}, under {SHIPPED_MODELS_DIR}) or the path of a gpt-oss "
+        "config directory (e.g. ../shared/models/gpt-oss-120b)"
+    )
+
+
+def build_plan(args) -> list[ModelPlan]:
+    plans = []
+    points = [p for p in POINTS if p.name in args.point_list]
+    for text in args.model_list:
+        path = resolve_model(text)
+        hf = json.loads((path / "config.json").read_text())
+        try:
+            shape = model_shape(hf)
+        except ValueError as e:
+            raise ValueError(f"--model {text!r}: {path / 'config.json'}: {e}") from e
+        base = base_llm_kwargs(path, hf, points, args.quick, args.seed)
+        runs = []
+        for cfg in args.config_objs:
+            kw = llm_kwargs_for(cfg, base, args.llm_kwargs_obj)
+            max_len = int(kw.get("max_model_len") or 0)
+            pos_limit = int(hf.get("max_position_embeddings") or 0)
+            skipped = {}
+            for p in points:
+                if max_len and p.max_len > max_len:
+                    skipped[p.name] = (
+                        f"skipped: needs max_model_len >= {p.max_len}, the LLM kwargs give {max_len}"
+                    )
+                elif pos_limit and p.max_len > pos_limit:
+                    skipped[p.name] = (
+                        f"skipped: needs {p.max_len} positions, the model has {pos_limit}"
+                    )
+            runs.append(
+                {
+                    "config": cfg.name,
+                    "note": cfg.note,
+                    "upstream": cfg.upstream,
+                    "llm_kwargs": kw,
+                    "points": [dataclasses.asdict(p) for p in points],
+                    "skipped": skipped,
+                }
+            )
+        name, used = path.name, {m.name for m in plans}
+        name = (
+            next(f"{name}-{i}" for i in range(2, 99) if f"{name}-{i}" not in used)
+            if name in used
+            else name
+        )
+        plans.append(ModelPlan(name, path, hf, model_key(hf), runs))
+        if shape["top_k"] > shape["experts"]:
+            raise ValueError(
+                f"--model {text!r}: top-k {shape['top_k']} > {shape['experts']} experts"
+            )
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# the child process: one configuration (or the copy-bandwidth measurement)
+# ---------------------------------------------------------------------------------------------
+
+
+def _short_error(e: BaseException) -> str:
+    msg = " ".join(f"{type(e).__name__}: {e}".split())
+    return msg if len(msg) <= 600 else msg[:597] + "..."
+
+
+def _write_json(path: str | Path, obj: Any) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _fmt_dur(s: float) -> str:
+    s = round(s)
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def make_prompts(pt: Point, vocab: int, seed: int) -> list[dict]:
+    """Fixed random token ids per point (TokensPrompt dicts), distinct per sequence."""
+    rng = random.Random(f"{seed}:{pt.name}")
+    return [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(pt.prompt_len)]}
+        for _ in range(pt.batch)
+    ]
+
+
+def make_sampling_params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+    )
+
+
+def measure_copy_bandwidth(reps: int = 10) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"error": "no CUDA GPU: torch.cuda.is_available() is False"}
+    dev = torch.device("cuda", torch.cuda.current_device())
+    p = torch.cuda.get_device_properties(dev)
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dev).fill_(1)
+    dst = torch.empty_like(src)
+    ts = []
+    for i in range(reps + 2):
+        s, e = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        if i >= 2:
+            ts.append(s.elapsed_time(e) / 1000.0)
+    t = statistics.median(ts)
+    return {
+        "gbps": 2 * COPY_BYTES / t / 1e9,
+        "gbps_min": 2 * COPY_BYTES / max(ts) / 1e9,
+        "gbps_max": 2 * COPY_BYTES / min(ts) / 1e9,
+        "bytes": COPY_BYTES,
+        "median_s": t,
+        "reps": reps,
+        "method": "dst.copy_(src) device-to-device, (read + written bytes) / time, median",
+        "device": p.name,
+        "capability": f"{p.major}.{p.minor}",
+        "sm_count": p.multi_processor_count,
+        "total_memory_gib": round(p.total_memory / 2**30, 2),
+        "torch_cuda": torch.version.cuda,
+    }
+
+
+def engine_info(llm) -> dict:
+    """What the engine resolved (each field best-effort: private-ish vLLM attributes)."""
+    info: dict[str, Any] = {}
+    try:
+        vc = llm.llm_engine.vllm_config
+    except Exception as e:  # noqa: BLE001
+        return {"error": _short_error(e)}
+    getters = {
+        "compilation_mode": lambda: str(vc.compilation_config.mode),
+        "cudagraph_mode": lambda: str(vc.compilation_config.cudagraph_mode),
+        "max_cudagraph_capture_size": lambda: (
+            vc.compilation_config.max_cudagraph_capture_size
+        ),
+        "num_cudagraph_capture_sizes": lambda: len(
+            vc.compilation_config.cudagraph_capture_sizes
+        ),
+        "attention_backend": lambda: str(vc.attention_config.backend),
+        "kv_cache_dtype": lambda: vc.cache_config.cache_dtype,
+        "block_size": lambda: vc.cache_config.block_size,
+        "num_gpu_blocks": lambda: vc.cache_config.num_gpu_blocks,
+        "gpu_memory_utilization": lambda: vc.cache_config.gpu_memory_utilization,
+        "max_model_len": lambda: vc.model_config.max_model_len,
+        "max_num_seqs": lambda: vc.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": lambda: vc.scheduler_config.max_num_batched_tokens,
+        "async_scheduling": lambda: vc.scheduler_config.async_scheduling,
+        "quantization": lambda: vc.model_config.quantization,
+        "additional_config": lambda: vc.additional_config,
+    }
+    for k, g in getters.items():
+        try:
+            info[k] = g()
+        except Exception as e:  # noqa: BLE001
+            info[k] = f"n/a ({type(e).__name__})"
+    return info
+
+
+def _timed_generate(llm, prompts: list[dict], max_tokens: int) -> float:
+    sp = make_sampling_params(max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    if len(outs) != len(prompts) or any(n != max_tokens for n in got):
+        raise RuntimeError(f"expected {len(prompts)} x {max_tokens} tokens, got {got}")
+    return dt
+
+
+def run_point(llm, pt: Point, vocab: int, spec: dict, say) -> dict:
+    prompts = make_prompts(pt, vocab, spec["seed"])
+    warmup, iters = spec["warmup"], spec["iters"]
+    rec: dict[str, Any] = {"status": "ok", "warmup_s": []}
+    if pt.kind == "pp":
+        for i in range(warmup):
+            say(f"warm-up {i + 1}/{warmup}")
+            rec["warmup_s"].append(_timed_generate(llm, prompts, 1))
+        ts = []
+        for i in range(iters):
+            say(f"iter {i + 1}/{iters}")
+            ts.append(_timed_generate(llm, prompts, 1))
+        toks = [pt.batch * pt.prompt_len / t for t in ts]
+        rec.update(
+            t_s=ts,
+            tok_s=statistics.median(toks),
+            tok_s_min=min(toks),
+            tok_s_max=max(toks),
+            ms_per_step=None,
+        )
+        return rec
+    n = pt.gen_len
+    for i in range(warmup):
+        say(f"warm-up {i + 1}/{warmup}")
+        rec["warmup_s"].append(
+            [_timed_generate(llm, prompts, 1), _timed_generate(llm, prompts, n)]
+        )
+    t1s, tns, steps = [], [], []
+    for i in range(iters):
+        say(f"iter {i + 1}/{iters}")
+        t1 = _timed_generate(llm, prompts, 1)
+        tn = _timed_generate(llm, prompts, n)
+        t1s.append(t1)
+        tns.append(tn)
+        steps.append((tn - t1) / (n - 1))
+    step = statistics.median(steps)
+    rec.update(t_1_s=t1s, t_n_s=tns, n=n, step_s=steps)
+    rec["ms_per_step"] = step * 1e3
+    rec["ms_per_step_min"] = min(steps) * 1e3
+    rec["ms_per_step_max"] = max(steps) * 1e3
+    if step <= 0 or min(steps) <= 0:
+        rec["suspect"] = "a t(max_tokens=N) - t(max_tokens=1) difference is <= 0"
+        rec["tok_s"] = None
+        return rec
+    rec["tok_s"] = pt.batch / step
+    rec["tok_s_min"] = pt.batch / max(steps)
+    rec["tok_s_max"] = pt.batch / min(steps)
+    if (max(steps) - min(steps)) / step > 0.25:
+        rec["suspect"] = "spread (max - min) / median of the per-step times > 25%"
+    return rec
+
+
+def child_main(spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("mode") == "copy_bandwidth":
+        try:
+            res = measure_copy_bandwidth()
+        except Exception as e:  # noqa: BLE001
+            res = {"error": _short_error(e)}
+        _write_json(result_path, res)
+        return 0 if "error" not in res else 2
+
+    name = spec["config"]
+    t_total0 = spec.get("t0") or time.time()
+    res: dict[str, Any] = {
+        "config": name,
+        "llm_kwargs": spec["llm_kwargs"],
+        "points": {},
+    }
+    res["error"] = None
+    _write_json(result_path, res)
+
+    def log(msg: str) -> None:
+        print(
+            f"{LOG_PREFIX} {name}: {msg}  [total {_fmt_dur(time.time() - t_total0)}]",
+            flush=True,
+        )
+
+    log(f"starting the engine: LLM(**{json.dumps(spec['llm_kwargs'])})")
+    t0 = time.perf_counter()
+    try:
+        from vllm import LLM
+
+        llm = LLM(**spec["llm_kwargs"])
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"engine start-up failed: {_short_error(e)}"
+        res["startup_s"] = time.perf_counter() - t0
+        log(res["error"])
+        _write_json(result_path, res)
+        return 3
+    res["startup_s"] = time.perf_counter() - t0
+    res["engine"] = engine_info(llm)
+    log(
+        f"engine up in {res['startup_s']:.1f}s: {json.dumps(res['engine'], default=str)}"
+    )
+    try:
+        vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001
+        vocab = int(spec["vocab"])
+    res["vocab"] = vocab
+    _write_json(result_path, res)
+
+    points = [Point(**p) for p in spec["points"]]
+    for i, pt in enumerate(points):
+        tag = f"[{i + 1}/{len(points)}] {pt.name}"
+        if pt.name in spec["skipped"]:
+            res["points"][pt.name] = {
+                "status": "skipped",
+                "note": spec["skipped"][pt.name],
+            }
+            log(f"{tag}: {spec['skipped'][pt.name]}")
+            _write_json(result_path, res)
+            continue
+        tp = time.perf_counter()
+
+        def say(msg: str, tag=tag, tp=tp) -> None:
+            log(f"{tag}: {msg} ({time.perf_counter() - tp:.1f}s)")
+
+        try:
+            rec = run_point(llm, pt, vocab, spec, say)
+        except Exception as e:  # noqa: BLE001
+            rec = {"status": "error", "error": _short_error(e)}
+        rec["elapsed_s"] = time.perf_counter() - tp
+        res["points"][pt.name] = rec
+        _write_json(result_path, res)
+        if rec["status"] != "ok":
+            log(f"{tag}: ERROR {rec['error']}")
+        elif pt.kind == "pp":
+            log(f"{tag}: {rec['tok_s']:,.0f} tok/s ({rec['elapsed_s']:.1f}s)")
+        else:
+            tok = f"{rec['tok_s']:,.1f} tok/s, " if rec["tok_s"] else ""
+            log(
+                f"{tag}: {tok}{rec['ms_per_step']:.3f} ms/step "
+                f"({rec['ms_per_step_min']:.3f}-{rec['ms_per_step_max']:.3f}) "
+                f"({rec['elapsed_s']:.1f}s){' SUSPECT: ' + rec['suspect'] if 'suspect' in rec else ''}"
+            )
+    try:  # give the engine core's GPU memory back before this process exits
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log(f"engine shutdown: {_short_error(e)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: run children, collect
+# ---------------------------------------------------------------------------------------------
+
+BACKEND_LINE = re.compile(
+    r"Using .*(backend|Backend)|SM121 attention layer|FlashAttention version|vllm-sm121 .* loaded"
+    r"|Mxfp4 MoE|cudagraph_mode|Capturing CUDA graphs|init engine"
+)
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")
+
+
+def run_child(
+    spec: dict, log_path: Path | None, timeout_s: float, verbose: bool
+) -> dict:
+    """Run one child process; its stdout+stderr go to log_path, [e2e] lines are echoed."""
+    with tempfile.TemporaryDirectory(prefix="e2e_bench_") as td:
+        spec_path, res_path = Path(td) / "spec.json", Path(td) / "result.json"
+        spec_path.write_text(json.dumps(spec, default=str))
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            CHILD_FLAG,
+            str(spec_path),
+            str(res_path),
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        tail: collections.deque[str] = collections.deque(maxlen=60)
+        backend_lines: list[str] = []
+        error_lines: list[str] = []
+        seen: collections.Counter[str] = collections.Counter()
+        logf = log_path.open("w") if log_path else None
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,  # a timeout kills its whole group (engine core included)
+        )
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if logf:
+                    logf.write(line)
+                line = line.rstrip("\n")
+                tail.append(line)
+                if line.startswith(LOG_PREFIX) or verbose:
+                    print(line, flush=True)
+                hit = BACKEND_LINE.search(line)
+                if hit and line not in backend_lines and seen[hit.group(0)] < 3:
+                    # a few lines of each kind (one per layer would be too many)
+                    seen[hit.group(0)] += 1
+                    backend_lines.append(line)
+                ours = line.startswith(LOG_PREFIX)
+                if not ours and ERROR_LINE.search(line) and len(error_lines) < 20:
+                    error_lines.append(line.strip())
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=20)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.returncode
+        try:  # leftovers of its group (an engine core whose parent died): ours, by group id
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        reader.join(timeout=10)
+        if logf:
+            logf.close()
+        try:
+            res = json.loads(res_path.read_text())
+        except (OSError, ValueError):
+            res = {"error": f"child exited rc={rc} without a result"}
+    res["returncode"] = rc
+    res["backend_log_lines"] = backend_lines
+    if log_path:
+        res["log"] = str(log_path)
+    if timed_out:
+        msg = f"timed out after {timeout_s:.0f}s (killed)"
+        res["error"] = f"{res['error']}; {msg}" if res.get("error") else msg
+    if res.get("error") or rc not in (0, None):
+        # vLLM's engine core logs the real cause; LLM() only raises "initialization failed".
+        res["error_log_lines"] = error_lines
+        res["log_tail"] = list(tail)[-30:]
+        if not res.get("error"):
+            res["error"] = f"child exited rc={rc}"
+    return res
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_info() -> dict:
+    info: dict[str, Any] = {
+        "commit": os.environ.get("VLLM_SM121_COMMIT"),
+        "dirty": None,
+    }
+    # the GPU machine receives the tree without .git: the caller passes the commit
+    if info["commit"]:
+        return info
+    try:
+        git = ["git", "-C", str(REPO_ROOT)]
+        info["commit"] = (
+            subprocess.run(
+                [*git, "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            or None
+        )
+        st = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        info["dirty"] = bool(st.strip())
+    except (OSError, subprocess.SubprocessError) as e:
+        info["error"] = _short_error(e)
+    return info
+
+
+def make_header(args, copy_bw: dict | None) -> dict:
+    h: dict[str, Any] = {
+        "benchmark": "e2e",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "argv": sys.argv[1:],
+        "dry_run": bool(args.dry_run),
+        "mode": "quick" if args.quick else "full",
+        "python": sys.version.split()[0],
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "vllm": _version("vllm"),
+        "vllm_sm121": _version("vllm-sm121"),
+        "git": git_info(),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "copy_bandwidth": copy_bw,
+        "copy_bandwidth_gbps": (copy_bw or {}).get("gbps"),
+        "gb10": {"bandwidth_gbps": GB10_BANDWIDTH_GBPS, "published": PUBLISHED_GB10},
+        "method": {
+            "pp": "batch * prompt_len / t(max_tokens=1), median of iters",
+            "tg": "(t(max_tokens=N) - t(max_tokens=1)) / (N - 1) per iteration, same prompts; median",
+            "bytes": "decode_bytes(): weights read per step + KV at the mean decode context",
+            "pct_bw": "bytes per step / step time / copy bandwidth",
+            "gb10_projection": "273 GB/s * (pct_bw / 100) / bytes per token",
+        },
+    }
+    h["git_commit"] = h["git"]["commit"]
+    if copy_bw and "device" in copy_bw:
+        h.update(device=copy_bw["device"], capability=copy_bw["capability"])
+    else:
+        h.update(device="none (dry run)" if args.dry_run else None, capability=None)
+    return h
+
+
+def derive(
+    point: dict, rec: dict, hf: dict, llm_kwargs: dict, copy_gbps: float | None
+) -> None:
+    """Add bytes, % of copy bandwidth and the GB10 projection to a point record (in place)."""
+    pt = Point(**point)
+    b = point_bytes(hf, pt, llm_kwargs)
+    rec["bytes"] = b
+    rec["gb10_ceiling_tok_s"] = (
+        GB10_BANDWIDTH_GBPS * 1e9 / b["per_token"] if b else None
+    )
+    rec["achieved_gbps"] = rec["pct_copy_bw"] = rec["gb10_projection_tok_s"] = None
+    if (
+        not b
+        or rec.get("status") != "ok"
+        or not rec.get("ms_per_step")
+        or rec["ms_per_step"] <= 0
+    ):
+        return
+    gbps = b["per_step"] / (rec["ms_per_step"] / 1e3) / 1e9
+    rec["achieved_gbps"] = gbps
+    if copy_gbps:
+        eff = gbps / copy_gbps
+        rec["pct_copy_bw"] = 100 * eff
+        rec["gb10_projection_tok_s"] = GB10_BANDWIDTH_GBPS * 1e9 * eff / b["per_token"]
+
+
+def derive_all(result: dict) -> None:
+    copy_gbps = result["header"].get("copy_bandwidth_gbps")
+    for m in result["models"]:
+        for run in m["runs"]:
+            for p in run["plan"]["points"]:
+                rec = run.setdefault("points", {}).get(p["name"])
+                if rec is not None:
+                    derive(p, rec, m["hf_config"], run["plan"]["llm_kwargs"], copy_gbps)
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def print_plan(plans: list[ModelPlan], args) -> None:
+    print(
+        f"plan: {'quick' if args.quick else 'full'} mode, warm-up {args.warmup}, iters {args.iters}, "
+        f"{sum(len(m.runs) for m in plans)} configuration process(es)"
+    )
+    for m in plans:
+        print(f"\nmodel {m.name} ({m.path})")
+        for run in m.runs:
+            names = [p["name"] for p in run["points"]]
+            pts = ", ".join(
+                n + (" (skip)" if n in run["skipped"] else "") for n in names
+            )
+            print(f"  {run['config']:<18} {run['note']}")
+            print(f"  {'':<18} points: {pts}")
+            print(f"  {'':<18} LLM(**{json.dumps(run['llm_kwargs'])})")
+            for why in run["skipped"].values():
+                print(f"  {'':<18} note: {why}")
+
+
+def bytes_table(m: ModelPlan) -> list[dict]:
+    rows = []
+    seen = set()
+    for run in m.runs:
+        kv, dense = (
+            run["llm_kwargs"].get("kv_cache_dtype"),
+            dense_kind(run["llm_kwargs"]),
+        )
+        for p in run["points"]:
+            pt = Point(**p)
+            if pt.kind != "tg" or (pt.name, kv, dense) in seen:
+                continue
+            seen.add((pt.name, kv, dense))
+            b = point_bytes(m.hf_config, pt, run["llm_kwargs"])
+            if b is None:
+                continue
+            rows.append(
+                {
+                    "point": pt.name,
+                    **b,
+                    "gb10_ceiling_tok_s": GB10_BANDWIDTH_GBPS * 1e9 / b["per_token"],
+                }
+            )
+    return rows
+
+
+def print_bytes_table(m: ModelPlan) -> None:
+    gb = 1e9
+    print(f"\nbytes read per decode step, {m.name} (model config; GB = 1e9 bytes)")
+    head = (
+        f"{'point':<10} {'kv':<6} {'weights':<6} {'B':>3} {'ctx':>6} {'attn+rtr':>9} {'experts':>8} "
+        f"{'lm_head':>8} {'KV':>8} {'GB/step':>8} {'GB/token':>9} {'GB10 max tok/s':>15}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in bytes_table(m):
+        print(
+            f"{r['point']:<10} {r['kv_dtype']:<6} {r['dense_weights']:<6} {r['batch']:>3} {r['ctx']:>6} "
+            f"{(r['attention_proj'] + r['router']) / gb:>9.3f} {r['experts'] / gb:>8.3f} "
+            f"{r['lm_head'] / gb:>8.3f} {r['kv'] / gb:>8.4f} {r['per_step'] / gb:>8.3f} "
+            f"{r['per_token'] / gb:>9.3f} {r['gb10_ceiling_tok_s']:>15.1f}"
+        )
+    print(
+        f"(GB10 max = {GB10_BANDWIDTH_GBPS:.0f} GB/s / GB per token, i.e. 100% of its bandwidth)"
+    )
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_results(result: dict) -> None:
+    hdr = result["header"]
+    copy_gbps = hdr.get("copy_bandwidth_gbps")
+    print(
+        f"\ndevice {hdr.get('device')} (capability {hdr.get('capability')}), vllm {hdr.get('vllm')}, "
+        f"torch {hdr.get('torch')}, triton {hdr.get('triton')}, vllm-sm121 {hdr.get('vllm_sm121')}, "
+        f"commit {hdr.get('git_commit')}, copy bandwidth {_num(copy_gbps, '.0f')} GB/s, "
+        f"{hdr.get('mode')} mode, iters {hdr.get('iters')}"
+    )
+    for m in result["models"]:
+        published = PUBLISHED_GB10.get(m.get("key") or "", {})
+        print(
+            f"\n{m['name']}: tok/s (median; [min-max]), ms/step (median; min-max), GB read per token,"
+        )
+        print(
+            "% of the copy bandwidth, GB10 projection (273 GB/s x that efficiency), vs up = tok/s over "
+            "the best upstream configuration; ! = suspect (see JSON)"
+        )
+        head = (
+            f"{'config':<18} {'point':<10} {'tok/s':>22} {'ms/step':>22} {'GB/tok':>7} {'%BW':>5} "
+            f"{'GB10 tok/s':>10} {'vs up':>6}  published GB10"
+        )
+        print(head)
+        print("-" * (len(head) + 20))
+        best_up: dict[str, float] = {}
+        for run in m["runs"]:
+            if run["plan"].get("upstream"):
+                for name, rec in (run.get("points") or {}).items():
+                    if rec.get("tok_s"):
+                        best_up[name] = max(best_up.get(name, 0.0), rec["tok_s"])
+        errors = []
+        for run in m["runs"]:
+            cname = run["plan"]["config"]
+            if run.get("error") and not run.get("points"):
+                print(f"{cname:<18} {'(all)':<10} ERROR: {run['error'][:150]}")
+                errors.append(run)
+                continue
+            if run.get("error"):
+                errors.append(run)
+            for p in run["plan"]["points"]:
+                rec = (run.get("points") or {}).get(p["name"])
+                name = p["name"]
+                if rec is None:
+                    print(f"{cname:<18} {name:<10} (not run)")
+                    continue
+                if rec.get("status") != "ok":
+                    print(
+                        f"{cname:<18} {name:<10} {rec.get('note') or 'ERROR: ' + str(rec.get('error'))}"
+                    )
+                    continue
+                tok = rec.get("tok_s")
+                tok_c = (
+                    "-"
+                    if tok is None
+                    else f"{tok:,.1f} [{rec['tok_s_min']:,.0f}-{rec['tok_s_max']:,.0f}]"
+                )
+                ms = rec.get("ms_per_step")
+                ms_c = (
+                    "-"
+                    if ms is None
+                    else (
+                        f"{ms:.3f} ({rec['ms_per_step_min']:.2f}-{rec['ms_per_step_max']:.2f})"
+                    )
+                )
+                b = rec.get("bytes")
+                vs = f"{tok / best_up[name]:.2f}x" if tok and best_up.get(name) else "-"
+                flag = "!" if rec.get("suspect") else ""
+                print(
+                    f"{cname:<18} {name + flag:<10} {tok_c:>22} {ms_c:>22} "
+                    f"{_num(b['per_token'] / 1e9 if b else None, '.3f'):>7} "
+                    f"{_num(rec.get('pct_copy_bw'), '.0f'):>5} "
+                    f"{_num(rec.get('gb10_projection_tok_s'), '.1f'):>10} {vs:>6}  "
+                    f"{published.get(name, '')}"
+                )
+        for run in errors:
+            print(f"\n{run['plan']['config']}: {run['error']}")
+            for line in run.get("error_log_lines") or []:
+                print(f"    {line[:300]}")
+    print(
+        "\nGB10 projection assumes the efficiency (% of copy bandwidth) measured here; on H100/H200 "
+        "batch-1 decode is latency-bound, so the projection is a floor for a bandwidth-bound GB10."
+    )
+
+
+def write_plot(result: dict, png: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not importable (pip install matplotlib)"
+    models = result["models"]
+
+    def measured(run: dict, pname: str) -> float | None:
+        rec = (run.get("points") or {}).get(pname) or {}
+        return rec.get("tok_s") if rec.get("status") == "ok" else None
+
+    names = [
+        p for p in POINT_NAMES if any(measured(r, p) for m in models for r in m["runs"])
+    ]
+    if not names:
+        return "plot skipped: no measured points"
+    fig, axes = plt.subplots(
+        len(models),
+        len(names),
+        figsize=(3.2 * len(names), 3.4 * len(models)),
+        squeeze=False,
+    )
+    for i, m in enumerate(models):
+        for j, pname in enumerate(names):
+            ax = axes[i][j]
+            labels, vals, errs, colors = [], [], [], []
+            for run in m["runs"]:
+                rec = (run.get("points") or {}).get(pname) or {}
+                labels.append(run["plan"]["config"])
+                colors.append("0.6" if run["plan"].get("upstream") else "C0")
+                tok = measured(run, pname)
+                vals.append(tok or 0.0)
+                lo, hi = rec.get("tok_s_min") or tok, rec.get("tok_s_max") or tok
+                errs.append([tok - lo, hi - tok] if tok else [0.0, 0.0])
+            ax.bar(
+                range(len(vals)), vals, yerr=list(zip(*errs)), capsize=3, color=colors
+            )
+            for k, v in enumerate(vals):
+                text = "n/a" if not v else f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:.0f}"
+                ax.text(k, v, text, ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+            ax.set_title(f"{m['name']} {pname}", fontsize=9)
+            ax.set_ylabel("tok/s", fontsize=8)
+    hdr = result["header"]
+    fig.suptitle(
+        f"vllm-sm121 e2e, {hdr.get('device')}, commit {str(hdr.get('git_commit'))[:10]}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return f"wrote {png}"
+
+
+# ---------------------------------------------------------------------------------------------
+# dry run: check the LLM kwargs against the installed vLLM
+# ---------------------------------------------------------------------------------------------
+
+
+def check_llm_kwargs(plans: list[ModelPlan]) -> tuple[list[str], list[str]]:
+    """(problems, notes): every kwarg an LLM(...) / EngineArgs field, compilation_config keys,
+    kv_cache_dtype, attention backend names, SamplingParams and the plugin's sm121 options."""
+    import typing
+
+    from vllm import LLM
+    from vllm.config import CompilationConfig
+    from vllm.config.cache import CacheDType
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_sm121
+    from vllm_sm121 import config as sm121_config
+
+    vllm_sm121.register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    problems, notes = [], []
+    allowed = {f.name for f in dataclasses.fields(EngineArgs)}
+    allowed |= set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"}
+    cc_fields = {f.name for f in dataclasses.fields(CompilationConfig) if f.init}
+    cache_dtypes = set(typing.get_args(CacheDType))
+    make_sampling_params(GEN)  # the child's SamplingParams(...) is valid here
+    for m in plans:
+        for run in m.runs:
+            kw, where = run["llm_kwargs"], f"{m.name}/{run['config']}"
+            for k in kw:
+                if k not in allowed:
+                    problems.append(f"{where}: LLM(...) has no argument {k!r}")
+            cc = kw.get("compilation_config")
+            if isinstance(cc, dict):
+                for k in cc:
+                    if k not in cc_fields:
+                        problems.append(
+                            f"{where}: compilation_config has no field {k!r}"
+                        )
+            dt = kw.get("kv_cache_dtype")
+            if dt is not None and dt not in cache_dtypes:
+                problems.append(
+                    f"{where}: kv_cache_dtype {dt!r} not in {sorted(cache_dtypes)}"
+                )
+            be = kw.get("attention_backend")
+            if be is not None and be not in AttentionBackendEnum._member_map_:
+                problems.append(
+                    f"{where}: attention_backend {be!r} is not a vLLM backend name"
+                )
+            try:
+                sm121_config.parse(kw.get("additional_config"))
+            except ValueError as e:
+                notes.append(f"{where}: the engine will refuse this at start-up: {e}")
+    return problems, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="benchmarks/e2e.py",
+        description="End-to-end gpt-oss benchmark: upstream vLLM 0.26 vs the SM121 plugin, same card, same run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Method (points, timing, bytes model, projection): the docstring at the top of benchmarks/e2e.py.",
+    )
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help=f"shipped config ({', '.join(SHIPPED_MODELS)}) or a gpt-oss config dir; repeatable "
+        f"(default {DEFAULT_MODEL})",
+    )
+    ap.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma list from {','.join(CONFIG_NAMES)} (default {','.join(DEFAULT_CONFIGS)})",
+    )
+    ap.add_argument(
+        "--points",
+        default=None,
+        help=f"comma list from {','.join(POINT_NAMES)} (default {','.join(FULL_POINTS)}; "
+        f"--quick: {','.join(QUICK_POINTS)})",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="functional numbers in a few minutes: 20b, quick points, max_cudagraph_capture_size 8, "
+        "1 warm-up, 2 iters",
+    )
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed repetitions per point (default 3; --quick 2)",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed runs of each shape first (default 2; --quick 1)",
+    )
+    ap.add_argument(
+        "--llm-kwargs",
+        default="{}",
+        help="JSON merged into every configuration's LLM kwargs",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON output (default results/e2e.json; --dry-run: results/e2e_dryrun.json)",
+    )
+    ap.add_argument(
+        "--timeout-per-config",
+        type=float,
+        default=1800.0,
+        help="seconds (default 1800)",
+    )
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="echo every vLLM log line (always kept in <out>.logs/)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU: print the plan and bytes per token, write JSON",
+    )
+    ap.add_argument(
+        "--no-vllm-check",
+        action="store_true",
+        help="dry run: skip checking the LLM kwargs against the installed vLLM (saves its ~15 s import)",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="combine earlier --out files into one report",
+    )
+    args = ap.parse_args(argv)
+    if args.merge:
+        if args.out is None:
+            ap.error("--merge needs --out")
+        missing = [p for p in args.merge if not Path(p).is_file()]
+        if missing:
+            ap.error(f"--merge: no such file(s): {', '.join(missing)}")
+        return args
+    args.config_list = _csv(args.configs)
+    bad = [c for c in args.config_list if c not in CONFIG_NAMES]
+    if bad or not args.config_list:
+        ap.error(
+            f"--configs: unknown {', '.join(map(repr, bad)) or '(empty)'}; valid names: {', '.join(CONFIG_NAMES)}"
+        )
+    by_name = {c.name: c for c in CONFIGS}
+    # in the order given
+    args.config_objs = [by_name[c] for c in dict.fromkeys(args.config_list)]
+    args.point_list = (
+        _csv(args.points)
+        if args.points
+        else list(QUICK_POINTS if args.quick else FULL_POINTS)
+    )
+    bad = [p for p in args.point_list if p not in POINT_NAMES]
+    if bad or not args.point_list:
+        ap.error(
+            f"--points: unknown {', '.join(map(repr, bad)) or '(empty)'}; valid names: {', '.join(POINT_NAMES)}"
+        )
+    args.model_list = args.model or [DEFAULT_MODEL]
+    try:
+        args.llm_kwargs_obj = json.loads(args.llm_kwargs)
+    except ValueError as e:
+        ap.error(
+            f"--llm-kwargs: not JSON ({e}); e.g. '{{\"gpu_memory_utilization\": 0.85}}'"
+        )
+    if not isinstance(args.llm_kwargs_obj, dict):
+        ap.error("--llm-kwargs: must be a JSON object of LLM(...) keyword arguments")
+    if args.iters is None:
+        args.iters = 2 if args.quick else 3
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    if args.iters < 1 or args.warmup < 0:
+        ap.error("--iters must be >= 1 and --warmup >= 0")
+    if args.out is None:
+        args.out = "results/e2e_dryrun.json" if args.dry_run else "results/e2e.json"
+    try:
+        args.plans = build_plan(args)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def _out_path(text: str) -> Path:
+    out = Path(text)
+    out = out if out.is_absolute() else Path.cwd() / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _model_entry(m: ModelPlan) -> dict:
+    return {
+        "name": m.name,
+        "path": str(m.path),
+        "key": m.key,
+        "hf_config": m.hf_config,
+        "shape": model_shape(m.hf_config),
+        "bytes_table": bytes_table(m),
+        "runs": [{"plan": run, "config": run["config"]} for run in m.runs],
+    }
+
+
+def _finish(result: dict, out: Path, plot: bool) -> None:
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"\nwrote {out}")
+    if plot:
+        note = write_plot(result, out.with_suffix(".png"))
+        result["plot"] = note
+        out.write_text(json.dumps(result, indent=1, default=str))
+        print(note)
+
+
+def merge_main(args) -> int:
+    results = [json.loads(Path(p).read_text()) for p in args.merge]
+    first = results[0]
+    merged = {"header": dict(first["header"]), "models": [], "merged_from": []}
+    for key in ("device", "mode", "vllm"):
+        values = {str(r["header"].get(key)) for r in results}
+        if len(values) > 1:
+            print(f"WARNING: merging results with different {key}: {sorted(values)}")
+    bws = [
+        r["header"].get("copy_bandwidth_gbps")
+        for r in results
+        if r["header"].get("copy_bandwidth_gbps")
+    ]
+    merged["header"]["copy_bandwidth_gbps"] = statistics.median(bws) if bws else None
+    by_name: dict[str, dict] = {}
+    for path, r in zip(args.merge, results):
+        h = r["header"]
+        merged["merged_from"].append(
+            {
+                "file": path,
+                "timestamp": h.get("timestamp"),
+                "device": h.get("device"),
+                "copy_bandwidth_gbps": h.get("copy_bandwidth_gbps"),
+                "git_commit": h.get("git_commit"),
+            }
+        )
+        for m in r["models"]:
+            if m["path"] not in by_name:
+                by_name[m["path"]] = dict(m, runs=[])
+                merged["models"].append(by_name[m["path"]])
+            by_name[m["path"]]["runs"].extend(m["runs"])
+    derive_all(merged)
+    print_results(merged)
+    _finish(merged, _out_path(args.out), plot=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == CHILD_FLAG:
+        return child_main(argv[1], argv[2])
+    args = parse_args(argv)
+    if args.merge:
+        return merge_main(args)
+    t_start = time.time()
+    out = _out_path(args.out)
+    plans: list[ModelPlan] = args.plans
+    print_plan(plans, args)
+    for m in plans:
+        print_bytes_table(m)
+
+    if args.dry_run:
+        result = {
+            "header": make_header(args, None),
+            "models": [_model_entry(m) for m in plans],
+        }
+        rc = 0
+        if not args.no_vllm_check:
+            problems, notes = check_llm_kwargs(plans)
+            result["vllm_check"] = {"problems": problems, "notes": notes}
+            print(
+                "\nLLM kwargs checked against the installed vLLM: "
+                f"{'ok' if not problems else f'{len(problems)} problem(s)'}"
+            )
+            for line in problems + notes:
+                print(f"  {line}")
+            rc = 1 if problems else 0
+        _finish(result, out, plot=False)
+        print("dry run: nothing measured, no plot")
+        return rc
+
+    print("\nmeasuring the copy bandwidth ...", flush=True)
+    copy_bw = run_child({"mode": "copy_bandwidth"}, None, 300, args.verbose)
+    if copy_bw.get("error") or not copy_bw.get("gbps"):
+        print(
+            "benchmarks/e2e.py needs a CUDA GPU with vLLM 0.26.0 to measure anything "
+            f"({copy_bw.get('error')}). Use --dry-run for the plan and the bytes model.",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"copy bandwidth {copy_bw['gbps']:.0f} GB/s on {copy_bw['device']}")
+    result = {
+        "header": make_header(args, copy_bw),
+        "models": [_model_entry(m) for m in plans],
+    }
+    log_dir = out.with_suffix(".logs")
+    log_dir.mkdir(exist_ok=True)
+    total = sum(len(m.runs) for m in plans)
+    done = 0
+    for m, entry in zip(plans, result["models"]):
+        for run in entry["runs"]:
+            plan = run["plan"]
+            bar = "#" * done + "-" * (total - done)
+            print(
+                f"\n{LOG_PREFIX} [{bar}] {done + 1}/{total} {m.name} / {plan['config']} "
+                f"(elapsed {_fmt_dur(time.time() - t_start)})",
+                flush=True,
+            )
+            spec = {
+                "config": plan["config"],
+                "llm_kwargs": plan["llm_kwargs"],
+                "points": plan["points"],
+                "skipped": plan["skipped"],
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "seed": args.seed,
+                "vocab": m.hf_config["vocab_size"],
+                "t0": t_start,
+            }
+            log_path = log_dir / f"{m.name}.{plan['config']}.log"
+            res = run_child(spec, log_path, args.timeout_per_config, args.verbose)
+            res.pop("config", None)
+            res.pop("llm_kwargs", None)  # == plan["llm_kwargs"]
+            run.update(res)
+            done += 1
+            derive_all(result)
+            # after every configuration: partial results survive a killed run
+            out.write_text(json.dumps(result, indent=1, default=str))
+            if run.get("error"):
+                print(f"{LOG_PREFIX} {plan['config']}: {run['error']}", flush=True)
+                for line in run.get("error_log_lines") or []:
+                    print(f"    {line[:300]}")
+    result["header"]["elapsed_s"] = time.time() - t_start
+    derive_all(result)
+    print_results(result)
+    _finish(result, out, plot=True)
+    print(f"logs in {log_dir}; total {_fmt_dur(time.time() - t_start)}")
+    ok = any(
+        r.get("points") and not r.get("error")
+        for m in result["models"]
+        for r in m["runs"]
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

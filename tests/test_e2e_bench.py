@@ -1,0 +1,367 @@
+"""CPU checks of benchmarks/e2e.py: the dry run (plan, LLM kwargs checked against the installed
+vLLM, JSON), the bytes-per-token model, the report/merge path on synthetic numbers, and its
+errors for bad input. Uses only the repo's models/ configs (the 120b shape is built inline)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "e2e.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_bench"] = mod  # dataclasses resolve string annotations through it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+e2e = _load()
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+        check=False,
+    )
+
+
+def gpt_oss_120b() -> dict:
+    """The gpt-oss-120b config.json fields the bytes model reads."""
+    return {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 36,
+        "hidden_size": 2880,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "intermediate_size": 2880,
+        "vocab_size": 201088,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "max_position_embeddings": 131072,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes per decoded token
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bytes_120b_batch1_is_5gb():
+    b = e2e.decode_bytes(gpt_oss_120b(), batch=1, ctx=80)
+    assert b["per_token"] == pytest.approx(5.0e9, rel=0.10)
+    # the design notes' split: 1.9 GB attention projections (+ router), 1.9 GB experts, 1.2 GB lm_head
+    assert b["attention_proj"] + b["router"] == pytest.approx(1.94e9, rel=0.03)
+    assert b["experts"] == pytest.approx(1.90e9, rel=0.03)
+    assert b["lm_head"] == pytest.approx(1.16e9, rel=0.03)
+    assert b["distinct_experts_per_layer"] == pytest.approx(4.0)
+    assert b["kv"] < 0.01e9
+    # GB10: 273 GB/s over ~5.0 GB -> the 54.6 tok/s ceiling of design.md
+    assert 273e9 / b["per_token"] == pytest.approx(54.6, rel=0.02)
+
+
+def test_bytes_kv_scales_with_context_and_dtype():
+    cfg = gpt_oss_120b()
+    kv = {
+        d: e2e.decode_bytes(cfg, ctx=32768, kv=d)["kv"]
+        for d in ("bf16", "fp8", "nvfp4")
+    }
+    # 18 full layers read 32768 tokens, 18 sliding ones 128; K and V, 8 heads x 64, 2 bytes
+    assert kv["bf16"] == (18 * 32768 + 18 * 128) * 2 * 8 * 64 * 2
+    assert kv["fp8"] == kv["bf16"] / 2
+    assert kv["nvfp4"] == pytest.approx(kv["bf16"] * 0.5625 / 2)
+    tok = {d: e2e.decode_bytes(cfg, ctx=32768, kv=d)["per_token"] for d in kv}
+    assert tok["nvfp4"] < tok["fp8"] < tok["bf16"]
+    # the full layers' KV grows linearly; sliding layers stop at the window
+    k1 = e2e.decode_bytes(cfg, ctx=4096)["kv"]
+    k2 = e2e.decode_bytes(cfg, ctx=8192)["kv"]
+    assert k2 - k1 == 18 * 4096 * 2 * 8 * 64 * 2
+    small = e2e.decode_bytes(cfg, ctx=100)["kv"]
+    assert small == 36 * 100 * 2 * 8 * 64 * 2
+    # weights do not depend on the KV format or context
+    assert (
+        e2e.decode_bytes(cfg, ctx=32768, kv="nvfp4")["weights"]
+        == e2e.decode_bytes(cfg)["weights"]
+    )
+
+
+def test_bytes_batch_distinct_experts():
+    cfg = gpt_oss_120b()
+    b1, b8, b32 = (e2e.decode_bytes(cfg, batch=b, ctx=80) for b in (1, 8, 32))
+    assert b8["distinct_experts_per_layer"] == pytest.approx(
+        128 * (1 - (1 - 4 / 128) ** 8)
+    )
+    assert (
+        4
+        < b8["distinct_experts_per_layer"]
+        < 32
+        < b32["distinct_experts_per_layer"]
+        < 128
+    )
+    assert b1["per_step"] < b8["per_step"] < b32["per_step"]
+    assert b1["per_token"] > b8["per_token"] > b32["per_token"]
+    assert b8["kv"] == pytest.approx(8 * b1["kv"])
+    # a few experts: B=32 touches nearly all of them
+    tiny = json.loads((REPO / "models" / "gpt-oss-tiny" / "config.json").read_text())
+    assert e2e.decode_bytes(tiny, batch=32)[
+        "distinct_experts_per_layer"
+    ] == pytest.approx(8, abs=0.01)
+
+
+def test_bytes_formats_and_bad_values():
+    cfg = gpt_oss_120b()
+    fp8w = e2e.decode_bytes(cfg, dense="fp8")
+    bf16w = e2e.decode_bytes(cfg)
+    assert fp8w["lm_head"] == bf16w["lm_head"] / 2
+    assert fp8w["router"] == bf16w["router"]  # the router stays bf16
+    assert e2e.kv_kind(None) == e2e.kv_kind("auto") == "bf16"
+    assert e2e.kv_kind("fp8_e4m3") == "fp8"
+    assert e2e.kv_kind("nvfp4") == "nvfp4"
+    with pytest.raises(ValueError, match="bf16, fp8, nvfp4"):
+        e2e.decode_bytes(cfg, kv="int3")
+    with pytest.raises(ValueError, match="not a gpt-oss config"):
+        e2e.model_shape({"hidden_size": 8})
+
+
+def test_model_key_and_shipped_20b():
+    assert e2e.model_key(gpt_oss_120b()) == "gpt-oss-120b"
+    cfg20 = json.loads((REPO / "models" / "gpt-oss-20b" / "config.json").read_text())
+    assert e2e.model_key(cfg20) == "gpt-oss-20b"
+    b = e2e.decode_bytes(cfg20, batch=1, ctx=80)
+    assert 3.5e9 < b["per_token"] < 3.9e9
+
+
+# ---------------------------------------------------------------------------------------------
+# plan / kwargs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deep_merge_and_quick_override():
+    base = {
+        "a": 1,
+        "compilation_config": {"max_cudagraph_capture_size": 8},
+        "b": {"x": 1},
+    }
+    out = e2e.deep_merge(base, {"compilation_config": None, "b": {"y": 2}, "c": 3})
+    assert out == {"a": 1, "b": {"x": 1, "y": 2}, "c": 3}
+    assert base["b"] == {"x": 1}  # not mutated
+
+
+def test_small_max_model_len_skips_the_32k_point():
+    args = e2e.parse_args(["--dry-run", "--llm-kwargs", '{"max_model_len": 4096}'])
+    run = args.plans[0].runs[0]
+    assert run["llm_kwargs"]["max_model_len"] == 4096
+    assert set(run["skipped"]) == {"tg128@32k"}
+    assert "max_model_len" in run["skipped"]["tg128@32k"]
+    args = e2e.parse_args(["--dry-run"])
+    assert args.plans[0].runs[0]["skipped"] == {}
+    assert args.plans[0].runs[0]["llm_kwargs"]["max_model_len"] >= 32768 + 128
+
+
+def test_configs_table():
+    names = e2e.CONFIG_NAMES
+    for n in (
+        "upstream-default",
+        "upstream-triton",
+        "sm121",
+        "sm121-fp8kv",
+        "sm121-nvfp4kv",
+    ):
+        assert n in e2e.DEFAULT_CONFIGS
+    assert len(set(names)) == len(names)
+    by = {c.name: c for c in e2e.CONFIGS}
+    assert "attention_backend" not in by["upstream-default"].llm_kwargs
+    assert by["upstream-triton"].llm_kwargs == {"attention_backend": "TRITON_ATTN"}
+    assert by["sm121-nvfp4kv"].llm_kwargs == {
+        "attention_backend": "SM121",
+        "kv_cache_dtype": "nvfp4",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dry_run_20b_writes_json(tmp_path):
+    out = tmp_path / "e2e.json"
+    r = _run("--dry-run", "--model", "models/gpt-oss-20b", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "bytes read per decode step" in r.stdout
+    assert "LLM kwargs checked against the installed vLLM: ok" in r.stdout
+    res = json.loads(out.read_text())
+    h = res["header"]
+    assert h["dry_run"] is True and h["mode"] == "full"
+    for k in (
+        "torch",
+        "triton",
+        "vllm",
+        "vllm_sm121",
+        "git_commit",
+        "device",
+        "capability",
+        "timestamp",
+    ):
+        assert k in h
+    assert h["vllm"] == "0.26.0"
+    assert res["vllm_check"]["problems"] == []
+    (m,) = res["models"]
+    assert m["name"] == "gpt-oss-20b" and m["key"] == "gpt-oss-20b"
+    assert [r["config"] for r in m["runs"]] == list(e2e.DEFAULT_CONFIGS)
+    for run in m["runs"]:
+        kw = run["plan"]["llm_kwargs"]
+        assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True
+        assert kw["enable_prefix_caching"] is False
+        assert Path(kw["model"]) == REPO / "models" / "gpt-oss-20b"
+        assert "compilation_config" not in kw  # full mode: vLLM's defaults
+        assert [p["name"] for p in run["plan"]["points"]] == list(e2e.FULL_POINTS)
+        assert run["plan"]["skipped"] == {}
+    kws = {r["config"]: r["plan"]["llm_kwargs"] for r in m["runs"]}
+    assert "attention_backend" not in kws["upstream-default"]
+    assert kws["upstream-triton"]["attention_backend"] == "TRITON_ATTN"
+    assert kws["sm121-fp8kv"]["kv_cache_dtype"] == "fp8"
+    assert kws["sm121-nvfp4kv"]["kv_cache_dtype"] == "nvfp4"
+    rows = {(r["point"], r["kv_dtype"]): r for r in m["bytes_table"]}
+    assert (
+        rows[("tg128@32k", "nvfp4")]["per_token"]
+        < rows[("tg128@32k", "fp8")]["per_token"]
+    )
+    assert (
+        rows[("tg128@32k", "fp8")]["per_token"]
+        < rows[("tg128@32k", "bf16")]["per_token"]
+    )
+    assert rows[("tg128", "bf16")]["per_token"] == pytest.approx(3.71e9, rel=0.02)
+
+
+def test_quick_dry_run_plan(tmp_path):
+    out = tmp_path / "q.json"
+    r = _run(
+        "--dry-run",
+        "--quick",
+        "--no-vllm-check",
+        "--configs",
+        "sm121,upstream-triton",
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["header"]["mode"] == "quick" and res["header"]["iters"] <= 2
+    (m,) = res["models"]
+    assert m["name"] == "gpt-oss-20b"
+    assert [run["config"] for run in m["runs"]] == ["sm121", "upstream-triton"]
+    for run in m["runs"]:
+        kw = run["plan"]["llm_kwargs"]
+        assert kw["compilation_config"] == {"max_cudagraph_capture_size": 8}
+        assert [p["name"] for p in run["plan"]["points"]] == list(e2e.QUICK_POINTS)
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "valid"),
+    [
+        (["--configs", "sm121,bogus"], "--configs", "CONFIG_NAMES"),
+        (["--points", "tg999"], "--points", "POINT_NAMES"),
+        (["--model", "/nonexistent/gpt-oss-7b"], "--model", "SHIPPED_MODELS"),
+        (["--llm-kwargs", "{not json"], "--llm-kwargs", None),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, option, valid):
+    r = _run("--dry-run", "--no-vllm-check", *args, timeout=60)
+    assert r.returncode != 0
+    assert option in r.stderr
+    for name in getattr(e2e, valid) if valid else ():
+        assert name in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_report_and_merge_on_synthetic_numbers(tmp_path):
+    """The table / derived columns / merge path, with made-up timings (no GPU)."""
+    dry = tmp_path / "dry.json"
+    r = _run(
+        "--dry-run",
+        "--no-vllm-check",
+        "--model",
+        "gpt-oss-tiny",
+        "--configs",
+        "upstream-triton,sm121",
+        "--points",
+        "pp2048,tg128,tg128-b8",
+        "--out",
+        str(dry),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(dry.read_text())
+    res["header"].update(copy_bandwidth_gbps=4000.0, device="FakeGPU", capability="9.0")
+    for i, run in enumerate(res["models"][0]["runs"]):
+        step = 0.002 * (1 - 0.1 * i)  # sm121 10% faster
+        run["points"] = {
+            "pp2048": {
+                "status": "ok",
+                "tok_s": 20000.0,
+                "tok_s_min": 19000.0,
+                "tok_s_max": 21000.0,
+                "ms_per_step": None,
+                "t_s": [0.1],
+            },
+            "tg128": {
+                "status": "ok",
+                "tok_s": 1 / step,
+                "tok_s_min": 0.9 / step,
+                "tok_s_max": 1.1 / step,
+                "ms_per_step": step * 1e3,
+                "ms_per_step_min": step * 900,
+                "ms_per_step_max": step * 1100,
+            },
+            "tg128-b8": {"status": "error", "error": "RuntimeError: boom"},
+        }
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(res))
+    merged = tmp_path / "merged.json"
+    r = _run("--merge", str(a), "--out", str(merged))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FakeGPU" in r.stdout and "ERROR: RuntimeError: boom" in r.stdout
+    assert "1.11x" in r.stdout  # sm121 vs the best upstream configuration at tg128
+    out = json.loads(merged.read_text())
+    tg = out["models"][0]["runs"][1]["points"]["tg128"]
+    b = tg["bytes"]["per_step"]
+    assert tg["achieved_gbps"] == pytest.approx(b / 0.0018 / 1e9)
+    assert tg["pct_copy_bw"] == pytest.approx(100 * tg["achieved_gbps"] / 4000.0)
+    assert tg["gb10_projection_tok_s"] == pytest.approx(
+        273e9 * tg["pct_copy_bw"] / 100 / tg["bytes"]["per_token"]
+    )
+    assert out["models"][0]["runs"][1]["points"]["pp2048"]["pct_copy_bw"] is None
+    assert "plot" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_without_gpu_says_so(tmp_path):
+    r = _run(
+        "--model",
+        "gpt-oss-tiny",
+        "--configs",
+        "sm121",
+        "--out",
+        str(tmp_path / "x.json"),
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "needs a CUDA GPU" in r.stderr and "--dry-run" in r.stderr
