@@ -100,22 +100,26 @@ def attention_specs(family: str) -> list[Spec]:
                 NUM_Q_PER_KV=gqa, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                 BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
                 USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
-                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False,
+                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, NVFP4_HALVES=False,
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         ))
     tile = _platform.attn_tile(family, "decode", 64)
-    specs.append(Spec(
-        name="paged_attention[decode,d64,nvfp4,all-features]", fn=_paged_attention_kernel,
-        constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
-                        BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
-                        USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False),
-        ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
-                       v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-    ))
+    for halves in (True, False):
+        specs.append(Spec(
+            name=f"paged_attention[decode,d64,nvfp4-{'halves' if halves else 'rows'},all-features]",
+            fn=_paged_attention_kernel,
+            constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
+                            BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
+                            USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False,
+                            NVFP4_HALVES=halves),
+            ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
+                           v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
+                           query_start_loc_ptr="*i32"),
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        ))
     specs.append(Spec(
         name="combine_splits[d64,sinks]", fn=_combine_splits_kernel,
         constexprs=dict(HEAD_SIZE=64, HEAD_PAD=64, NUM_SPLITS=8, USE_SINKS=True, KV_FP8=True),

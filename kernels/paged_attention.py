@@ -50,6 +50,10 @@ PROGRAMS_PER_SM = 4
 # With the GPU already filled (>= 1 program per SM), split only contexts at least this long:
 # H200, window-128 layers at batch 32: 1 split 11.4 us vs 2 splits 15.7 us (the merge launch).
 FILLED_GPU_MIN_SPLIT_TOKENS = 2048
+# nvfp4 pages: multiply each nibble half of a page with its own (even/odd) half of q and
+# accumulate the output halves separately (no in-register re-layout of decoded rows); False
+# decodes whole rows and joins them (the first version). Chosen by benchmarks/tune_kv.py.
+NVFP4_HALVES = True
 
 
 @dataclasses.dataclass
@@ -311,6 +315,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None, KV_FP8=kv_fp8, KV_NVFP4=kv_nvfp4, NUM_SPLITS=num_splits,
         DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
+        NVFP4_HALVES=kv_nvfp4 and NVFP4_HALVES,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

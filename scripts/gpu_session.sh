@@ -41,6 +41,7 @@ for step in "$@"; do
     kvcap) for kv in auto fp8 nvfp4; do python3 scripts/kv_capacity.py --model "${MODEL120:-.bundle/part2/models/gpt-oss-120b}" --kv-cache-dtype $kv; done 2>&1 | grep -E "^kv_capacity|Error" ;;
     e2e_moe) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "moe" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
+    tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
     kvacc) python3 benchmarks/kv_accuracy.py --kernel --out "$OUT/kv_accuracy.json" 2>&1 | tail -n 12 ;;
     benchkv) for kv in fp8 nvfp4; do python3 benchmarks/attention.py --kv-dtype $kv --out "$OUT/attention_$kv.json" 2>&1 | tee "$OUT/bench_$kv.log" | grep -E "^(decode full|device|copy)" ; done ;;
     e2e_kv) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "quantized or nvfp4" -p no:cacheprovider > "$OUT/e2e_kv.log" 2>&1; r=$?

@@ -21,6 +21,22 @@ RCP_LN2 = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _e2m1_times_scale_f16(codes, scale_f16):
+    """e2m1 nibbles (low 4 bits of ``codes``) times fp16 block scales, in fp16, exactly.
+
+    The nibble's 3 magnitude bits shifted to fp16 bits 11..9 are an fp16 whose value is the e2m1
+    value times 2**-14 (e2m1's subnormal 0.5 lands on fp16's subnormal range, which the hardware
+    keeps); the sign goes to bit 15. Products are exact in fp16 (<= 2 x 4 significant bits, at
+    most 6 * 448 * 2**-14 * 2**14) and in bf16 after conversion. A handful of integer ops per
+    element instead of a decode table or branches.
+    """
+    c = codes.to(tl.int32)
+    bits = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.uint16)
+    val = bits.to(tl.float16, bitcast=True) * scale_f16
+    return val * 16384.0
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
     """Index of the sequence whose query blocks contain program ``q_block_global``.
 
@@ -87,6 +103,7 @@ def _paged_attention_kernel(
     KV_NVFP4: tl.constexpr,  # e2m1 pages + e4m3 block scales, dequantized in registers
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
+    NVFP4_HALVES: tl.constexpr,  # KV_NVFP4: dots on even/odd head-dim halves (no re-layout); else rows decoded + joined
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,6 +134,19 @@ def _paged_attention_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    offs_h2 = tl.arange(0, HEAD_PAD // 2)
+    if KV_NVFP4 and NVFP4_HALVES:
+        # Element 2i of a head sits in the low nibble of byte i: split q (and later the output)
+        # into even/odd columns so each nibble half of a page multiplies its own half of q.
+        q_even = tl.load(q_ptr + q_rows[:, None] * stride_q_t + q_head[:, None] * stride_q_h + 2 * offs_h2[None, :],
+                         mask=row_ok[:, None], other=0.0)
+        q_odd = tl.load(q_ptr + q_rows[:, None] * stride_q_t + q_head[:, None] * stride_q_h + 2 * offs_h2[None, :] + 1,
+                        mask=row_ok[:, None], other=0.0)
+        if DOT_FP32:
+            q_even = q_even.to(tl.float32)
+            q_odd = q_odd.to(tl.float32)
+    acc_even = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
 
     # KV positions this block of queries can see.
     first_q_pos = ctx_len + q_block * BLOCK_Q
@@ -157,40 +187,62 @@ def _paged_attention_kernel(
         n_ok = (offs_n >= kv_begin) & (offs_n < kv_end)
         page = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        if KV_NVFP4:
-            # Packed bytes and block scales of TILE_N tokens; decoded (exactly) into q's dtype.
-            offs_hb = tl.arange(0, HEAD_SIZE // 2)
-            offs_sb = tl.arange(0, HEAD_SIZE // 16)
-            kq = tl.load(k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_hb[None, :],
-                         mask=n_ok[:, None], other=0)
-            ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[:, None] * stride_kb_b
-                         + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
-            vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_hb[None, :],
+        if KV_NVFP4 and NVFP4_HALVES:
+            # K^T halves [D/2, TILE_N] and V halves [TILE_N, D/2] straight from the packed bytes;
+            # the e4m3 scale of element pair i is scale (2i) // 16 = i // 8 of its token.
+            kq = tl.load(k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_h2[:, None],
+                         mask=n_ok[None, :], other=0)
+            ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
+                         + slot[None, :] * (HEAD_SIZE // 16) + offs_h2[:, None] // 8, mask=n_ok[None, :], other=0)
+            ksf = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            k_lo = _e2m1_times_scale_f16(kq, ksf)
+            k_hi = _e2m1_times_scale_f16(kq >> 4, ksf)
+            vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_h2[None, :],
                          mask=n_ok[:, None], other=0)
             vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
-                         + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
-            k = tl.trans(nvfp4_dequantize_rows(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
-            v = nvfp4_dequantize_rows(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
+                         + slot[:, None] * (HEAD_SIZE // 16) + offs_h2[None, :] // 8, mask=n_ok[:, None], other=0)
+            vsf = vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            v_lo = _e2m1_times_scale_f16(vq, vsf)
+            v_hi = _e2m1_times_scale_f16(vq >> 4, vsf)
+            if DOT_FP32:
+                k_lo, k_hi, v_lo, v_hi = k_lo.to(tl.float32), k_hi.to(tl.float32), v_lo.to(tl.float32), v_hi.to(tl.float32)
+            else:
+                k_lo, k_hi, v_lo, v_hi = k_lo.to(q.dtype), k_hi.to(q.dtype), v_lo.to(q.dtype), v_hi.to(q.dtype)
+            s = (tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi)) * qk_scale
         else:
-            k = tl.load(
-                k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
-                mask=n_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        elif KV_FP8:
-            # e4m3 values are exact in bf16/fp16; the per-tensor scales are applied outside.
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-
-        s = tl.dot(q, k) * qk_scale
+            if KV_NVFP4:
+                # Packed bytes and block scales of TILE_N tokens; decoded (exactly) into q's dtype.
+                offs_hb = tl.arange(0, HEAD_SIZE // 2)
+                offs_sb = tl.arange(0, HEAD_SIZE // 16)
+                kq = tl.load(k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_hb[None, :],
+                             mask=n_ok[:, None], other=0)
+                ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[:, None] * stride_kb_b
+                             + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
+                vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_hb[None, :],
+                             mask=n_ok[:, None], other=0)
+                vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
+                             + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
+                k = tl.trans(nvfp4_dequantize_rows(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
+                v = nvfp4_dequantize_rows(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
+            else:
+                k = tl.load(
+                    k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )
+                v = tl.load(
+                    v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            elif KV_FP8:
+                # e4m3 values are exact in bf16/fp16; the per-tensor scales are applied outside.
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = tl.dot(q, k) * qk_scale
         if USE_SOFTCAP:
             # softcap * tanh(s / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1)
             e = tl.exp(2.0 * s / softcap)
@@ -205,8 +257,15 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_NVFP4 and NVFP4_HALVES:
+            acc_even = acc_even * alpha[:, None] + tl.dot(p.to(v_lo.dtype), v_lo)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+
+    if KV_NVFP4 and NVFP4_HALVES:
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_M, HEAD_PAD])  # columns 2i, 2i + 1
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -1,0 +1,116 @@
+"""Sweep decode tiles (and the nvfp4 in-kernel decode variant) for quantized KV caches on this GPU.
+
+For gpt-oss decode (64 q / 8 KV heads, head_dim 64, sinks, full attention) at a few batch/context
+points, times SM121's paged attention with bf16, fp8 and nvfp4 pages over a small tile grid
+and, for nvfp4, both in-kernel decodes (``NVFP4_HALVES`` True/False); prints µs, KV bytes read
+and % of the copy bandwidth measured in the same run, the best per (kv dtype, point), and the
+speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_HALVES``.
+
+    python benchmarks/tune_kv.py [--out tune_kv.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+HQ, HKV, D, BS = 64, 8, 64, 16
+
+
+def _pages(kv_dtype, inputs):
+    """Replace bf16 key/value caches in ``inputs`` by fp8 (scale 1) or nvfp4 pages of the same values."""
+    from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, nvfp4_full_dim
+    from vllm_sm121.kernels.nvfp4 import nvfp4_quantize
+
+    k, v = inputs["key_cache"], inputs["value_cache"]
+    if kv_dtype == "fp8":
+        one = torch.ones(1, device=k.device)
+        return dict(inputs, key_cache=k.to(torch.float8_e4m3fn), value_cache=v.to(torch.float8_e4m3fn),
+                    k_scale=one, v_scale=one), 1.0
+    if kv_dtype == "nvfp4":
+        nb = k.shape[0]
+        cache = torch.zeros(nb, 2, HKV * BS * nvfp4_full_dim(D), dtype=torch.uint8, device=k.device)
+        pages = []
+        for i, x in enumerate((k, v)):
+            g = (x.abs().amax().float() * 64 / (6 * 448)).reshape(1)
+            p = Nvfp4Pages.view(cache[:, i], HKV, BS, D, g)
+            packed, sc = nvfp4_quantize(x.reshape(-1, D), g)
+            p.data.copy_(packed.view(nb, HKV, BS, D // 2))
+            p.scales.view(torch.uint8).copy_(sc.view(torch.uint8).view(nb, HKV, BS, D // 16))
+            pages.append(p)
+        return dict(inputs, key_cache=pages[0], value_cache=pages[1]), nvfp4_full_dim(D) / D
+    return inputs, 2.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/tune_kv.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from attention import Timer, measure_copy_bandwidth  # benchmarks/attention.py
+    from tune_attention import setup
+
+    from vllm_sm121.kernels.paged_attention import choose_num_splits, paged_attention
+    from vllm_sm121.platform import AttnTile
+
+    pa = sys.modules["vllm_sm121.kernels.paged_attention"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = measure_copy_bandwidth(torch.device("cuda"))["gbps"] * 1e9
+    points = [(8, 32768), (32, 32768), (1, 131072), (32, 8192)] if not args.quick else [(32, 32768)]
+    tiles = [AttnTile(16, n, w, s) for n, w, s in ((128, 4, 3), (64, 4, 3), (128, 8, 3), (256, 8, 2), (64, 4, 4),
+                                                  (32, 4, 3))]
+    timer = Timer("cuda", reps=20)
+    records = []
+    print(f"device {torch.cuda.get_device_name()}  SMs {sms}  copy bandwidth {bw / 1e9:.0f} GB/s")
+    for batch, ctx in points:
+        base = setup(batch, ctx, 1, None)
+        splits = choose_num_splits(num_seqs=batch, num_kv_heads=HKV, max_query_len=1, max_seq_len=ctx,
+                                   num_q_per_kv=HQ // HKV, sm_count=sms)
+        best = {}
+        for kv in ("bf16", "fp8", "nvfp4"):
+            inputs, elem = _pages(kv, base)
+            kv_bytes = 2 * batch * ctx * HKV * D * elem
+            for tile, halves in itertools.product(tiles, (True, False) if kv == "nvfp4" else (None,)):
+                if halves is not None:
+                    pa.NVFP4_HALVES = halves
+                fn = lambda: paged_attention(**inputs, tile=tile, num_splits=splits)  # noqa: E731
+                try:
+                    fn()
+                    us = statistics.median(timer.run(fn, host_us=timer.host_us(fn, n=2)))
+                except Exception as e:  # noqa: BLE001 (out of shared memory for a tile, etc.)
+                    us, err = float("inf"), f"{type(e).__name__}: {str(e)[:80]}"
+                else:
+                    err = None
+                rec = dict(batch=batch, ctx=ctx, kv=kv, tile=dataclasses.astuple(tile), halves=halves, splits=splits,
+                           us=us, kv_bytes=kv_bytes, pct_bw=100 * kv_bytes / (us * 1e-6) / bw if us < float("inf")
+                           else None, error=err)
+                records.append(rec)
+                if us < best.get(kv, (float("inf"),))[0]:
+                    best[kv] = (us, tile, halves)
+                print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} halves={halves}: "
+                      + (f"{us:8.1f} us  {rec['pct_bw']:5.1f}% BW" if err is None else err), flush=True)
+        pa.NVFP4_HALVES = True
+        b16 = best["bf16"][0]
+        print(f"== B={batch} ctx={ctx}: best " + "  ".join(
+            f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} halves={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "commit": os.environ.get(
+                "VLLM_SM121_COMMIT", "unknown"), "records": records}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
