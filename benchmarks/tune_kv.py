@@ -2,7 +2,8 @@
 
 For gpt-oss decode (64 q / 8 KV heads, head_dim 64, sinks, full attention) at a few batch/context
 points, times SM121's paged attention with bf16, fp8 and nvfp4 pages over a small tile grid
-and, for nvfp4, both in-kernel decodes (``NVFP4_HALVES`` True/False); prints µs, KV bytes read
+and two variants each: for nvfp4 the in-kernel decode (``NVFP4_HALVES`` True/False), for bf16/fp8
+the K load (``K_ROWS``: [TILE_N, D] rows transposed in registers, or [D, TILE_N] gathered); prints µs, KV bytes read
 and % of the copy bandwidth measured in the same run, the best per (kv dtype, point), and the
 speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_HALVES``.
 
@@ -68,9 +69,8 @@ def main(argv=None) -> int:
     pa = sys.modules["vllm_sm121.kernels.paged_attention"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_copy_bandwidth(torch.device("cuda"))["gbps"] * 1e9
-    points = [(8, 32768), (32, 32768), (1, 131072), (32, 8192)] if not args.quick else [(32, 32768)]
-    tiles = [AttnTile(16, n, w, s) for n, w, s in ((128, 4, 3), (64, 4, 3), (128, 8, 3), (256, 8, 2), (64, 4, 4),
-                                                  (32, 4, 3))]
+    points = [(8, 32768), (32, 32768), (1, 131072)] if not args.quick else [(32, 32768)]
+    tiles = [AttnTile(16, n, w, s) for n, w, s in ((128, 4, 3), (64, 4, 3), (128, 8, 3), (256, 8, 2))]
     timer = Timer("cuda", reps=20)
     records = []
     print(f"device {torch.cuda.get_device_name()}  SMs {sms}  copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -82,9 +82,11 @@ def main(argv=None) -> int:
         for kv in ("bf16", "fp8", "nvfp4"):
             inputs, elem = _pages(kv, base)
             kv_bytes = 2 * batch * ctx * HKV * D * elem
-            for tile, halves in itertools.product(tiles, (True, False) if kv == "nvfp4" else (None,)):
-                if halves is not None:
-                    pa.NVFP4_HALVES = halves
+            for tile, variant in itertools.product(tiles, (True, False)):
+                if kv == "nvfp4":
+                    pa.NVFP4_HALVES = variant
+                else:
+                    pa.K_ROWS[kv] = variant
                 fn = lambda: paged_attention(**inputs, tile=tile, num_splits=splits)  # noqa: E731
                 try:
                     fn()
@@ -93,18 +95,19 @@ def main(argv=None) -> int:
                     us, err = float("inf"), f"{type(e).__name__}: {str(e)[:80]}"
                 else:
                     err = None
-                rec = dict(batch=batch, ctx=ctx, kv=kv, tile=dataclasses.astuple(tile), halves=halves, splits=splits,
+                rec = dict(batch=batch, ctx=ctx, kv=kv, tile=dataclasses.astuple(tile), variant=variant, splits=splits,
                            us=us, kv_bytes=kv_bytes, pct_bw=100 * kv_bytes / (us * 1e-6) / bw if us < float("inf")
                            else None, error=err)
                 records.append(rec)
                 if us < best.get(kv, (float("inf"),))[0]:
-                    best[kv] = (us, tile, halves)
-                print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} halves={halves}: "
+                    best[kv] = (us, tile, variant)
+                vname = ("halves" if variant else "rows") if kv == "nvfp4" else ("k_rows" if variant else "k_cols")
+                print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} {vname}: "
                       + (f"{us:8.1f} us  {rec['pct_bw']:5.1f}% BW" if err is None else err), flush=True)
-        pa.NVFP4_HALVES = True
+        pa.NVFP4_HALVES, pa.K_ROWS = True, {"bf16": False, "fp8": False}
         b16 = best["bf16"][0]
         print(f"== B={batch} ctx={ctx}: best " + "  ".join(
-            f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} halves={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))
+            f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} variant={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "commit": os.environ.get(

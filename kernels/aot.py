@@ -25,7 +25,7 @@ from vllm_sm121 import platform as _platform
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
-from .moe_details._moe_fc2 import _moe_fc2_combine_kernel
+from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
 from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
 from .moe_details._moe_route import _moe_route_kernel
 from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
@@ -100,7 +100,7 @@ def attention_specs(family: str) -> list[Spec]:
                 NUM_Q_PER_KV=gqa, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                 BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
                 USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
-                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, NVFP4_HALVES=False,
+                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, NVFP4_HALVES=False, K_ROWS=False,
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
@@ -114,7 +114,7 @@ def attention_specs(family: str) -> list[Spec]:
             constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                             BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
                             USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False,
-                            NVFP4_HALVES=halves),
+                            NVFP4_HALVES=halves, K_ROWS=False),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
                            v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
                            query_start_loc_ptr="*i32"),
@@ -158,27 +158,38 @@ def nvfp4_specs(family: str) -> list[Spec]:
 def norm_specs(family: str) -> list[Spec]:
     return [Spec(name="add_rmsnorm_mxfp8[H2880]", fn=_add_rmsnorm_mxfp8_kernel, constexprs=dict(H=2880, BLOCK_H=4096),
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8",
-                                s_ptr="*u8"), num_warps=4),
-            Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4]", fn=_moe_fc1_swiglu_kernel,
-                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0, A_MXFP8=True),
-                 ptr_types=dict(a_ptr="*u8", a_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
-                                topk_ids_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"), num_warps=4),
-            Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4, bf16 in]", fn=_moe_fc1_swiglu_kernel,
-                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0, A_MXFP8=False),
-                 ptr_types=dict(a_ptr="*bf16", a_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
-                                topk_ids_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"), num_warps=4),
-            Spec(name="moe_fc2_combine[gpt-oss H2880 I2880 top4]", fn=_moe_fc2_combine_kernel,
-                 constexprs=dict(H=2880, I=2880, TOPK=4, BLOCK_N=64, BLOCK_K=64),
-                 ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16",
-                                topk_ids_ptr="*i32", topk_w_ptr="*fp32", out_ptr="*bf16"), num_warps=4)]
+                                s_ptr="*u8"), num_warps=4)]
 
 
 def moe_specs(family: str) -> list[Spec]:
-    """Routing and the grouped (prefill) GEMMs at gpt-oss-120b shapes (the decode ones: norm_specs)."""
+    """Routing, the decode GEMVs and the grouped (prefill) GEMMs at gpt-oss-120b shapes, with the
+    launchers' tiles (``kernels/moe.py``: DECODE_*; GPU flags DOT_SCALED / HW_FP8 on)."""
+    from . import moe as M
+
     grouped = dict(sorted_pair_ptr="*i32", tile_expert_ptr="*i32", tile_start_ptr="*i32", tile_end_ptr="*i32",
                    w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16")
-    specs = [Spec(name="moe_route[E128 top4]", fn=_moe_route_kernel, constexprs=dict(E=128, E_PAD=128, TOPK=4, TOPK_PAD=4),
-                  ptr_types=dict(logits_ptr="*bf16", topk_w_ptr="*fp32", topk_ids_ptr="*i32"), num_warps=1)]
+    route = dict(E=128, E_PAD=128, TOPK=4, TOPK_PAD=4, K=2880, BLOCK_K=512, ROUTE=True, HW_FP8=True)
+    route_ptrs = dict(logits_ptr="*bf16", topk_w_ptr="*fp32", topk_ids_ptr="*i32", x_ptr="*bf16", xq_ptr="*u8",
+                      xs_ptr="*u8")
+    decode = dict(E=128, TOPK=4, TOPK_PAD=4, BLOCK_M=M.DECODE_BLOCK_M, BLOCK_K=M.DECODE_BLOCK_K, DOT_SCALED=True)
+    mx = dict(w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16", topk_ids_ptr="*i32")
+    specs = [
+        Spec(name="moe_route[E128 top4]", fn=_moe_route_kernel, constexprs=dict(route, QUANT=False),
+             ptr_types=route_ptrs, num_warps=1),
+        Spec(name="moe_route[E128 top4, + MXFP8 quantize H2880]", fn=_moe_route_kernel,
+             constexprs=dict(route, QUANT=True), ptr_types=route_ptrs, num_warps=4),
+        Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4, decode]", fn=_moe_fc1_swiglu_kernel,
+             constexprs=dict(decode, K=2880, I=2880, BLOCK_N=M.DECODE_FC1_BLOCK_N, ALPHA=1.702, LIMIT=7.0,
+                             HW_FP8=True),
+             ptr_types=dict(mx, a_ptr="*u8", a_scale_ptr="*u8", out_ptr="*u8", out_scale_ptr="*u8"),
+             num_warps=M.DECODE_NUM_WARPS, num_stages=M.DECODE_NUM_STAGES),
+        Spec(name="moe_fc2[gpt-oss H2880 I2880 top4, decode]", fn=_moe_fc2_kernel,
+             constexprs=dict(decode, H=2880, I=2880, BLOCK_N=M.DECODE_FC2_BLOCK_N),
+             ptr_types=dict(mx, h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", part_ptr="*fp32"),
+             num_warps=M.DECODE_NUM_WARPS, num_stages=M.DECODE_NUM_STAGES),
+        Spec(name="moe_combine[H2880 top4]", fn=_moe_combine_kernel, constexprs=dict(H=2880, TOPK=4, BLOCK=1024),
+             ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
+    ]
     for a_mxfp8 in (False, True):
         specs.append(Spec(
             name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in]",

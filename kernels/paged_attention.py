@@ -54,6 +54,9 @@ FILLED_GPU_MIN_SPLIT_TOKENS = 2048
 # accumulate the output halves separately (no in-register re-layout of decoded rows); False
 # decodes whole rows and joins them (the first version). Chosen by benchmarks/tune_kv.py.
 NVFP4_HALVES = True
+# bf16/fp8 pages: K loaded as [TILE_N, D] rows then transposed in registers (True) or gathered
+# as [D, TILE_N] directly (False, the measured bf16 default). Per KV kind; benchmarks/tune_kv.py.
+K_ROWS = {"bf16": False, "fp8": False}
 
 
 @dataclasses.dataclass
@@ -316,6 +319,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         USE_SINKS=sinks is not None, KV_FP8=kv_fp8, KV_NVFP4=kv_nvfp4, NUM_SPLITS=num_splits,
         DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
         NVFP4_HALVES=kv_nvfp4 and NVFP4_HALVES,
+        K_ROWS=not kv_nvfp4 and K_ROWS["fp8" if kv_fp8 else "bf16"],
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

@@ -104,6 +104,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
     NVFP4_HALVES: tl.constexpr,  # KV_NVFP4: dots on even/odd head-dim halves (no re-layout); else rows decoded + joined
+    K_ROWS: tl.constexpr,  # bf16/fp8 pages: load K as [TILE_N, D] rows and transpose in registers (else [D, TILE_N])
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -224,12 +225,20 @@ def _paged_attention_kernel(
                              + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
                 k = tl.trans(nvfp4_dequantize_rows(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
                 v = nvfp4_dequantize_rows(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
+            elif K_ROWS:
+                k_rows = tl.load(
+                    k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                k = tl.trans(k_rows.to(q.dtype))  # fp8: widen before the register transpose
             else:
                 k = tl.load(
                     k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None],
                     other=0.0,
                 )
+            if not KV_NVFP4:
                 v = tl.load(
                     v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :],
