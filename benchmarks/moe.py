@@ -143,7 +143,6 @@ def make_vllm_layer(provider: str, args, weights: dict):
 
     from vllm_sm121.moe.method import Sm121GptOssMxfp4Config
 
-    _init_vllm_dist()
     if provider == "sm121":
         quant_config = Sm121GptOssMxfp4Config()
         quant_config._moe = "mxfp8"  # what resolve_moe gives gpt-oss with --attention-backend SM121
@@ -151,24 +150,28 @@ def make_vllm_layer(provider: str, args, weights: dict):
     else:
         quant_config, backend = GptOssMxfp4Config(), provider
     vc = VllmConfig(kernel_config=KernelConfig(moe_backend=backend))
-    with set_current_vllm_config(vc), torch.device("cuda"):
-        layer = FusedMoE(num_experts=args.experts, top_k=args.topk, hidden_size=args.hidden,
-                         intermediate_size=args.inter, params_dtype=torch.bfloat16, renormalize=True,
-                         quant_config=quant_config, prefix=f"bench.{provider}.experts", has_bias=True,
-                         activation="swigluoai", apply_router_weight_on_input=False)
-    experts = layer.routed_experts
-    with torch.no_grad():
-        for name, w in weights.items():
-            p = getattr(experts, name)
-            if p.dim() == 3:
-                p.data[:, : w.shape[1], : w.shape[2]].copy_(w)  # backends that pad keep the checkpoint top-left
-            else:
-                p.data[:, : w.shape[1]].copy_(w)
-    experts.quant_method.process_weights_after_loading(experts)
+    # Everything vLLM-side (model-parallel groups, layer construction, weight processing, the
+    # forward) runs under this config: vLLM 0.26 asserts a current config in all of them.
+    with set_current_vllm_config(vc):
+        _init_vllm_dist()
+        with torch.device("cuda"):
+            layer = FusedMoE(num_experts=args.experts, top_k=args.topk, hidden_size=args.hidden,
+                             intermediate_size=args.inter, params_dtype=torch.bfloat16, renormalize=True,
+                             quant_config=quant_config, prefix=f"bench.{provider}.experts", has_bias=True,
+                             activation="swigluoai", apply_router_weight_on_input=False)
+        experts = getattr(layer, "routed_experts", layer)
+        with torch.no_grad():
+            for name, w in weights.items():
+                p = getattr(experts, name)
+                if p.dim() == 3:
+                    p.data[:, : w.shape[1], : w.shape[2]].copy_(w)  # backends that pad keep the checkpoint top-left
+                else:
+                    p.data[:, : w.shape[1]].copy_(w)
+        experts.quant_method.process_weights_after_loading(experts)
     info = type(experts.quant_method).__name__ + "/" + str(getattr(experts.quant_method, "mxfp4_backend", "sm121"))
 
     def fn(x, logits):
-        with set_forward_context(None, vc):
+        with set_current_vllm_config(vc), set_forward_context(None, vc):
             return layer(x, logits)[:, : args.hidden]
 
     return fn, info

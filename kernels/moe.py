@@ -2,12 +2,20 @@
 
 Architecture
     ``moe_block`` runs the whole routed-expert block from bf16 (or MXFP8) activations and bf16
-    router logits: ``moe_route`` (top-k, softmax over the selected, as gpt-oss), then for small
-    token counts the decode kernels ``moe_fc1_swiglu`` / ``moe_fc2_combine`` (one program per
-    (token, slot, BLOCK_N outputs), CUDA-core dot products, weights read as stored) and for large
-    ones the grouped GEMMs ``moe_fc1_swiglu_grouped`` / ``moe_fc2_grouped`` over pairs sorted by
-    expert (``moe_align``: torch ops with static shapes). Every path is graph-capturable: no host
-    sync, shapes depend only on the token count.
+    router logits: ``moe_route`` (top-k, softmax over the selected, as gpt-oss; NaN/inf-safe), then
+    for small token counts the decode kernels ``moe_fc1_swiglu`` / ``moe_fc2_combine`` and for
+    large ones the grouped GEMMs ``moe_fc1_swiglu_grouped`` / ``moe_fc2_grouped`` over pairs sorted
+    by expert (``moe_align``: torch ops with static shapes). Every path is graph-capturable: no
+    host sync, shapes depend only on the token count.
+
+    Decode (bandwidth-bound grouped GEMVs, 4 launches): ``moe_route`` also quantizes bf16 x to
+    MXFP8; FC1 and FC2 run one program per (routed slot, row tile, block of 16 tokens) -- a slot
+    whose expert an earlier slot of the block already has exits, so each routed expert's weights
+    are streamed exactly once per 16 tokens, by 90 programs per GEMM at gpt-oss shapes -- with
+    tokens as the N of ``tl.dot_scaled`` (e2m1 weights x e4m3 activations as stored, wide
+    cp.async loads); FC2 writes fp32 partials per (token, slot) and ``_moe_combine_kernel`` sums
+    them in slot order into bf16. On the interpreter the same kernels dequantize to fp32 and use
+    ``tl.dot`` (no dot_scaled there) and round to e4m3 in software (DOT_SCALED / HW_FP8 off).
 
     Weights are the gpt-oss checkpoint layout as loaded (``w13_weight`` [E, 2I, K/2] uint8 e2m1
     pairs, low nibble first; ``w13_weight_scale`` [E, 2I, K/32] e8m0; bias [E, 2I]; gate/up rows
@@ -17,12 +25,15 @@ Architecture
     gpt-oss's SwiGLU (gate clamped to <= 7, up to [-7, 7], ``(up + 1) * gate * sigmoid(1.702 *
     gate)``) and writes MXFP8 for FC2.
 
-Instructions (sm_121a PTX, ``python -m vllm_sm121.kernels.aot``): the decode kernels are CUDA-core
-    fp32 FMAs; the grouped kernels' ``tl.dot`` on bf16 operands becomes ``mma.sync.aligned.m16n8k16
-    .bf16`` (upcast MMA, as ``tl.dot_scaled`` e4m3 x e2m1 also lowers to on sm_120a/121a).
+Instructions (``python -m vllm_sm121.kernels.aot``): decode ``tl.dot_scaled`` lowers to Triton's
+    e2m1/e4m3 -> bf16 upcast + ``mma.sync.aligned.m16n8k16.bf16`` on sm_121a (``wgmma m64n16k16``
+    for FC1 on sm_90a), weights via 16-byte ``cp.async.cg``, SwiGLU -> e4m3 via
+    ``cvt.rn.satfinite.e4m3x2.f32``; the grouped kernels' bf16 ``tl.dot`` becomes mma.sync / wgmma.
 
 Limitations
-    Status: CPU-tested under the Triton interpreter; not yet run on a GPU, not tuned. No expert
+    Status: the first decode kernels (CUDA-core row dots) matched the reference on an H200 but
+    ran at 3% of copy bandwidth; the dot_scaled GEMVs replacing them are CPU-tested (interpreter
+    path) and AOT-compiled, not yet measured. No expert
     parallelism (expert ids are global). e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero
     blocks use it).
 """
@@ -36,7 +47,7 @@ from vllm_sm121 import platform as _platform
 
 from . import _validate as V
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
-from .moe_details._moe_fc2 import _moe_fc2_combine_kernel
+from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
 from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
 from .moe_details._moe_route import _moe_route_kernel
 from .nvfp4 import E2M1_VALUES
@@ -71,21 +82,58 @@ def _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids) -> tuple[int, int, in
     return m, k, e, i, topk_ids.shape[1]
 
 
+def _gpu_flags(t: torch.Tensor) -> dict:
+    """DOT_SCALED / HW_FP8: tl.dot_scaled and hardware e4m3 rounding on a GPU; the interpreter
+    has no dot_scaled and rounds fp32 -> e4m3 wrongly, so CPU runs take the software paths."""
+    gpu = _platform.family_of(t) != _platform.INTERPRETER
+    return dict(DOT_SCALED=gpu, HW_FP8=gpu)
+
+
+# Decode-kernel tiles (performance hyper-parameters). Tokens are the MMA's N (DECODE_BLOCK_M,
+# the smallest tl.dot tile); FC1 programs own 2 * 32 weight rows (32 SwiGLU outputs = one MXFP8
+# block), FC2 programs 32 rows of H: at gpt-oss-120b shapes and M = 1 that is 4 x 90 programs
+# per GEMM, each streaming 49-98 KB of weights in BLOCK_K = 256 steps (128 B per row per step).
+DECODE_BLOCK_M = 16
+DECODE_FC1_BLOCK_N = 32
+DECODE_FC2_BLOCK_N = 32
+DECODE_BLOCK_K = 256
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+
+
+def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [M, K] -> (e4m3 [M, K], e8m0 [M, K/32]) in one small kernel (the same numbers as
+    ``norm_mxfp8.mxfp8_quantize_torch``)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    s = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
+    if m:
+        _moe_route_kernel[(m,)](x, q, q, x, q, s, 0, E=1, E_PAD=1, TOPK=1, TOPK_PAD=1, K=k,
+                                BLOCK_K=min(512, triton.next_power_of_2(k)), ROUTE=False, QUANT=True,
+                                HW_FP8=_gpu_flags(x)["HW_FP8"], num_warps=4)
+    return q.view(torch.float8_e4m3fn), s
+
+
 def moe_fc1_swiglu(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor,
                    bias: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode FC1. a [M, K]: e4m3 with a_scale [M, K/32] e8m0, or bf16 (a_scale None: quantized
-    to MXFP8 in registers). Returns (h [M*topk, I] e4m3, h_scale [M*topk, I/32] e8m0), row = token * topk + slot."""
-    m, k, _e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
-    mxfp8 = a.dtype != torch.bfloat16
+    to MXFP8 first). Returns (h [M*topk, I] e4m3, h_scale [M*topk, I/32] e8m0), row = token * topk + slot.
+
+    Grid (slot, row tile, token block): each routed expert's rows are streamed once per block of
+    DECODE_BLOCK_M tokens (programs whose expert an earlier slot of the block has exit at once).
+    """
+    m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
+    if a.dtype == torch.bfloat16:
+        a, a_scale = mxfp8_quantize(a)
     out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
-    # performance hyper-parameters (not tuned yet): 64 SwiGLU outputs (128 weight rows) x 64 of K per step
-    block_n = 64 if i % 64 == 0 else 32
+    bm, bn = DECODE_BLOCK_M, DECODE_FC1_BLOCK_N
     if m:
-        _moe_fc1_swiglu_kernel[(m * topk, i // block_n)](
-            a.view(torch.uint8) if mxfp8 else a, a_scale if mxfp8 else out_scale, w13, w13_scale, bias, topk_ids,
-            out, out_scale, K=k, I=i, TOPK=topk, BLOCK_N=block_n, BLOCK_K=64, ALPHA=SWIGLU_ALPHA,
-            LIMIT=SWIGLU_LIMIT, A_MXFP8=mxfp8, num_warps=4)
+        _moe_fc1_swiglu_kernel[(min(m, bm) * topk, i // bn, -(-m // bm))](
+            a.view(torch.uint8), a_scale, w13, w13_scale, bias, topk_ids, out, out_scale, m,
+            E=e, K=k, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=min(DECODE_BLOCK_K, triton.next_power_of_2(k)), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
+            **_gpu_flags(a), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -118,14 +166,23 @@ def moe_fc1_swiglu_torch(a, a_scale, w13, w13_scale, bias, topk_ids):
 
 def moe_fc2_combine(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                     bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """h [M*topk, I] e4m3 + h_scale [M*topk, I/32]; returns bf16 [M, H] = sum_j w_j (h_j W2[e_j]^T + b2[e_j])."""
-    m, topk, _e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
+    """h [M*topk, I] e4m3 + h_scale [M*topk, I/32]; returns bf16 [M, H] = sum_j w_j (h_j W2[e_j]^T + b2[e_j]).
+
+    Two launches: the grouped GEMV (as FC1's grid) writing fp32 partials per (token, slot), and
+    a combine summing each token's topk partials in slot order, rounded once to bf16.
+    """
+    m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
-    block_n = 64  # performance hyper-parameter (not tuned yet)
+    part = torch.empty(m * topk, hidden, dtype=torch.float32, device=h.device)
+    bm, bn = DECODE_BLOCK_M, DECODE_FC2_BLOCK_N
     if m:
-        _moe_fc2_combine_kernel[(m, -(-hidden // block_n))](
-            h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_ids, topk_weights, out,
-            H=hidden, I=i, TOPK=topk, BLOCK_N=block_n, BLOCK_K=64, num_warps=4)
+        _moe_fc2_kernel[(min(m, bm) * topk, -(-hidden // bn), -(-m // bm))](
+            h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_ids, topk_weights, part, m,
+            E=e, H=hidden, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=min(DECODE_BLOCK_K, triton.next_power_of_2(i)), DOT_SCALED=_gpu_flags(h)["DOT_SCALED"],
+            num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
+        block = min(1024, triton.next_power_of_2(hidden))
+        _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk, BLOCK=block, num_warps=4)
     return out
 
 
@@ -142,20 +199,39 @@ def moe_fc2_combine_torch(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights
 
 # ---- routing ---------------------------------------------------------------------------------
 
-def moe_route(router_logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(router_logits: torch.Tensor, topk: int, x: torch.Tensor | None = None):
     """gpt-oss routing: (topk_weights fp32 [M, topk], topk_ids int32 [M, topk]), the top-k logits in
-    descending order with a softmax over them (= vLLM's softmax over all experts, renormalized)."""
+    descending order with a softmax over them (= vLLM's softmax over all experts, renormalized).
+
+    NaN logits (padded rows of a captured graph) rank lowest and +-inf is clamped, so ids are
+    always distinct and in [0, E) and weights finite. With ``x`` (bf16 [M, K]) the same launch
+    also quantizes it to MXFP8 and (topk_weights, topk_ids, x_q, x_scale) is returned.
+    """
     V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
     V.check_last_dim_contiguous("router_logits", router_logits)
     m, e = router_logits.shape
     if not 0 < topk <= e:
         raise ValueError(f"topk={topk} is not supported for {e} experts; supported: 1..{e}")
-    topk_w = torch.empty(m, topk, dtype=torch.float32, device=router_logits.device)
-    topk_ids = torch.empty(m, topk, dtype=torch.int32, device=router_logits.device)
+    dev = router_logits.device
+    topk_w = torch.empty(m, topk, dtype=torch.float32, device=dev)
+    topk_ids = torch.empty(m, topk, dtype=torch.int32, device=dev)
+    quant = x is not None
+    if quant:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != m or x.shape[1] % 32 or not x.is_contiguous():
+            raise ValueError(f"x must be contiguous bf16 [{m}, K] with K a multiple of 32, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        k = x.shape[1]
+        xq = torch.empty(m, k, dtype=torch.uint8, device=dev)
+        xs = torch.empty(m, k // 32, dtype=torch.uint8, device=dev)
     if m:
-        _moe_route_kernel[(m,)](router_logits, topk_w, topk_ids, router_logits.stride(0), E=e,
-                                E_PAD=triton.next_power_of_2(e), TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
-                                num_warps=1)
+        _moe_route_kernel[(m,)](router_logits, topk_w, topk_ids, x if quant else router_logits,
+                                xq if quant else topk_ids, xs if quant else topk_ids, router_logits.stride(0),
+                                E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
+                                K=k if quant else 32, BLOCK_K=min(512, triton.next_power_of_2(k)) if quant else 32,
+                                ROUTE=True, QUANT=quant, HW_FP8=_gpu_flags(router_logits)["HW_FP8"],
+                                num_warps=4 if quant else 1)
+    if quant:
+        return topk_w, topk_ids, xq.view(torch.float8_e4m3fn), xs
     return topk_w, topk_ids
 
 
@@ -173,7 +249,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     tile_expert, tile_start, tile_end [NUM_TILES] int32) with NUM_TILES = cdiv(P, block_m) +
     min(E, P), an upper bound of sum_e cdiv(count_e, block_m); unused tiles are empty.
     """
-    flat = topk_ids.flatten().long()
+    flat = topk_ids.flatten().long().clamp(0, num_experts - 1)  # garbage ids never index out of bounds
     p = flat.numel()
     dev = topk_ids.device
     _, order = torch.sort(flat, stable=True)
@@ -270,11 +346,15 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
-    topk_w, topk_ids = moe_route(router_logits, topk)
     m = x.shape[0]
     if path == "decode" or (path == "auto" and m <= DECODE_MAX_TOKENS):
+        if x.dtype == torch.bfloat16:  # routing and the MXFP8 quantization of x in one launch
+            topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous())
+        else:
+            topk_w, topk_ids = moe_route(router_logits, topk)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
+    topk_w, topk_ids = moe_route(router_logits, topk)
     block_m = _grouped_tiles(x.device)[0]
     align = moe_align(topk_ids, w13.shape[0], block_m) if m else None
     h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align)

@@ -107,7 +107,7 @@ def test_method_matches_dequantized_reference(device, c):
         ref_bf16 = reference(layer, x, logits, c.topk, activations="bf16")
         err = rel_l2(ref, ref_bf16)
         print(f"\n{c}: kernel vs MXFP8 ref {rel_l2(out, ref):.2e}; MXFP8 vs bf16 activations {err:.2e} (rel L2)")
-        assert err < 3e-2
+        assert err < 8e-2  # the format's error, reported; the kernel's is assert_block_close's
 
 
 @pytest.mark.interpreter
@@ -162,6 +162,77 @@ def test_routing_kernel_matches_topk_softmax(device):
     torch.testing.assert_close(w.cpu(), full / full.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.interpreter
+def test_routing_survives_nan_and_inf_logits(device):
+    """Padded rows of a captured CUDA graph can hold NaN / inf / garbage logits: every row still
+    yields distinct ids in [0, E) and finite weights summing to 1; ordinary rows are unchanged."""
+    g = torch.Generator().manual_seed(5)
+    e, topk = 16, 4
+    logits = torch.randn(6, e, generator=g)
+    logits[1] = float("nan")
+    logits[2, ::3] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 5] = float("inf")
+    logits[4, 9] = float("inf")
+    logits[5, :] = 0.0
+    w, ids = K.moe_route(logits.bfloat16().to(device), topk)
+    w, ids = w.cpu(), ids.cpu()
+    assert ((ids >= 0) & (ids < e)).all()
+    assert all(len(set(r.tolist())) == topk for r in ids)
+    assert torch.isfinite(w).all() and (w >= 0).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones(6), rtol=1e-6, atol=1e-6)
+    rw, rids = K.moe_route_torch(logits[0:1].bfloat16(), topk)
+    assert torch.equal(ids[0:1], rids)
+    assert torch.equal(ids[1], torch.arange(topk, dtype=torch.int32))  # all NaN: experts 0..topk-1
+    assert set(ids[4, :2].tolist()) == {5, 9}  # +inf ranks first
+    assert not set(ids[2].tolist()) & set(range(0, e, 3))  # NaN ranks last
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_block_with_nan_logit_rows_and_garbage_ids(device, path):
+    """NaN rows (padding) give finite output and leave the other rows exact; the FC kernels and
+    moe_align clamp out-of-range expert ids instead of indexing out of bounds."""
+    c = Case(5, 64, 64, 4, 2)
+    _method, layer = build_layer(c, device, seed=9)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(c.m, c.hidden, generator=g).bfloat16()
+    logits = torch.randn(c.m, c.experts, generator=g).bfloat16()
+    logits[1] = float("nan")
+    logits[3, 0] = float("nan")
+    args = (layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight, layer.w2_weight_scale,
+            layer.w2_bias, c.topk)
+    out = K.moe_block(x.to(device), logits.to(device), *args, path=path).cpu()
+    assert torch.isfinite(out.float()).all()
+    ok = [0, 2, 4]
+    ref = reference(layer, x[ok].to(device), logits[ok].to(device), c.topk).cpu()
+    assert_block_close(out[ok], ref, path)
+    # Garbage ids straight into the kernels: clamped, finite, no out-of-bounds access.
+    ids = torch.tensor([[-3, 1], [2, 99], [0, 0], [7, -1], [1, 2]], dtype=torch.int32)
+    w = torch.full((c.m, c.topk), 0.5)
+    h, hs = K.moe_fc1_swiglu(x.to(device), None, *args[:3], ids.to(device))
+    y = K.moe_fc2_combine(h, hs, *args[3:6], ids.to(device), w.to(device))
+    assert torch.isfinite(y.float()).all()
+    order, te, ts, tt = K.moe_align(ids, c.experts, 2)
+    assert ((te >= 0) & (te < c.experts)).all() and sorted(order.tolist()) == list(range(ids.numel()))
+
+
+@pytest.mark.interpreter
+def test_decode_path_over_several_token_blocks(device):
+    """The decode kernels take any M (token blocks of DECODE_BLOCK_M): forced at M=18 they agree
+    with the grouped path."""
+    c = Case(K.DECODE_BLOCK_M + 2, 64, 64, 4, 2)
+    _method, layer = build_layer(c, device, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(c.m, c.hidden, generator=g).bfloat16().to(device)
+    logits = torch.randn(c.m, c.experts, generator=g).bfloat16().to(device)
+    args = (layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight, layer.w2_weight_scale,
+            layer.w2_bias, c.topk)
+    dec = K.moe_block(x, logits, *args, path="decode")
+    assert_block_close(dec, reference(layer, x, logits, c.topk), "decode M=18")
+    assert rel_l2(dec, K.moe_block(x, logits, *args, path="grouped")) < 5e-3
+
+
 def test_align_tiles_cover_every_pair_once():
     g = torch.Generator().manual_seed(4)
     for m, e, topk, bm in ((1, 4, 2, 16), (37, 8, 4, 16), (64, 128, 4, 64), (5, 3, 3, 2)):
@@ -198,7 +269,11 @@ def test_gpt_oss_shapes_on_gpu(model, experts, m):
           f"MXFP8 vs bf16 activations rel L2 {rel_l2(ref, ref_bf16):.2e}, kernel vs bf16-activation ref "
           f"{rel_l2(out, ref_bf16):.2e}")
     assert_block_close(out, ref, f"{model} M={m}")
-    assert rel_l2(ref, ref_bf16) < 3e-2
+    # The kernel is held to the MXFP8-activation reference (assert_block_close: < 5e-3; measured
+    # 1.7e-3 on H200). Against bf16 activations the error is the format's (e4m3 activations at
+    # hidden 2880 on random data: ~0.042 measured), reported above and only loosely bounded.
+    assert rel_l2(out, ref) < 1e-2
+    assert rel_l2(out, ref_bf16) < 8e-2
     # Both paths at the decode/grouped boundary give the same answer.
     if m <= 16:
         args = (layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight, layer.w2_weight_scale,

@@ -1,7 +1,17 @@
-"""Triton code for gpt-oss routing: top-k of the router logits, softmax over the selected (launcher: ``kernels/moe.py``)."""
+"""Triton code for gpt-oss routing: top-k of the router logits, softmax over the selected, and
+(optionally, same launch) the MXFP8 quantization of the token's activations (launcher: ``kernels/moe.py``).
+
+Robust to what CUDA-graph padding and dummy runs feed it: NaN logits count as the lowest value,
++-inf are clamped to +-FLT_MAX, so every row yields TOPK distinct ids in [0, E) and finite
+weights summing to 1 (a row of NaN picks experts 0..TOPK-1 with equal weights).
+"""
 
 import triton
 import triton.language as tl
+
+from ._mx import mxfp8_quantize_rows_fast
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -9,25 +19,46 @@ def _moe_route_kernel(
     logits_ptr,  # [M, E] router logits (bf16/fp16/fp32)
     topk_w_ptr,  # [M, TOPK] fp32: softmax over the selected logits (= softmax over all, renormalized)
     topk_ids_ptr,  # [M, TOPK] int32, in descending logit order (ties: lowest expert id first)
+    x_ptr,  # [M, K] bf16 activations (QUANT only)
+    xq_ptr,  # [M, K] uint8 e4m3 out (QUANT only)
+    xs_ptr,  # [M, K / 32] uint8 e8m0 out (QUANT only)
     stride_l: tl.int64,
     E: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two >= E
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,  # power of two >= TOPK
+    K: tl.constexpr,  # hidden size (QUANT only; a multiple of 32)
+    BLOCK_K: tl.constexpr,  # power of two >= 32
+    ROUTE: tl.constexpr,
+    QUANT: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
-    slots = tl.arange(0, TOPK_PAD)
-    vals = tl.full([TOPK_PAD], float("-inf"), tl.float32)
-    ids = tl.zeros([TOPK_PAD], dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        best = tl.max(logits, axis=0)
-        idx = tl.min(tl.where(logits == best, offs, E_PAD), axis=0)
-        vals = tl.where(slots == j, best, vals)
-        ids = tl.where(slots == j, idx, ids)
-        logits = tl.where(offs == idx, float("-inf"), logits)
-    p = tl.where(slots < TOPK, tl.exp(vals - tl.max(vals, axis=0)), 0.0)
-    p = p / tl.sum(p, axis=0)
-    tl.store(topk_w_ptr + row * TOPK + slots, p, mask=slots < TOPK)
-    tl.store(topk_ids_ptr + row * TOPK + slots, ids, mask=slots < TOPK)
+    if ROUTE:
+        offs = tl.arange(0, E_PAD)
+        logits = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=0.0).to(tl.float32)
+        logits = tl.where(logits != logits, -FLT_MAX, logits)  # NaN -> lowest
+        logits = tl.minimum(tl.maximum(logits, -FLT_MAX), FLT_MAX)  # all finite from here
+        avail = offs < E
+        slots = tl.arange(0, TOPK_PAD)
+        vals = tl.zeros([TOPK_PAD], dtype=tl.float32)
+        ids = tl.zeros([TOPK_PAD], dtype=tl.int32)
+        for j in tl.static_range(TOPK):
+            best = tl.max(tl.where(avail, logits, -FLT_MAX), axis=0)
+            idx = tl.min(tl.where(avail & (logits == best), offs, E_PAD), axis=0)
+            idx = tl.minimum(idx, E - 1)  # unreachable (avail holds >= 1 expert while j < TOPK <= E)
+            vals = tl.where(slots == j, best, vals)
+            ids = tl.where(slots == j, idx, ids)
+            avail = avail & (offs != idx)
+        p = tl.where(slots < TOPK, tl.exp(vals - tl.max(tl.where(slots < TOPK, vals, -FLT_MAX), axis=0)), 0.0)
+        p = p / tl.sum(p, axis=0)  # >= 1: the best slot contributes exp(0)
+        tl.store(topk_w_ptr + row * TOPK + slots, p, mask=slots < TOPK)
+        tl.store(topk_ids_ptr + row * TOPK + slots, ids, mask=slots < TOPK)
+    if QUANT:
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            codes, scales = mxfp8_quantize_rows_fast(x[None, :], 1, BLOCK_K // 32, HW_FP8)
+            tl.store(xq_ptr + row * K + offs_k[None, :], codes, mask=offs_k[None, :] < K)
+            offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            tl.store(xs_ptr + row * (K // 32) + offs_g[None, :], scales, mask=offs_g[None, :] < K // 32)

@@ -9,7 +9,7 @@ power of two is exact in fp32 and in bf16. e8m0 byte 0 (2**-127) is read as 2**-
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import _pow2, e2m1_decode, mxfp8_quantize_rows
+from ..kv_cache_details._codecs import _pow2, e2m1_decode, e4m3_encode, mxfp8_quantize_rows
 
 
 @triton.jit
@@ -62,16 +62,73 @@ def load_act_tile(a_ptr, a_scale_ptr, rows, row_ok, k0, K: tl.constexpr, ROWS: t
         return mxfp8_roundtrip(a, ROWS, BLOCK_K)
 
 
+# ---- decode (GEMV-shaped) helpers ---------------------------------------------------------------
+
 @triton.jit
-def bf16_row_dot(x_ptr, w_ptr, w_scale_ptr, w_rows, row_ok, K: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """``_codecs.mx_row_dot`` for a bf16 activation row: sum_k mxfp8(x)[k] * W[row, k] with x
-    quantized to MXFP8 in registers (``mxfp8_roundtrip``), on CUDA cores (decode). fp32 [ROWS]."""
-    acc = tl.zeros([ROWS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        a = mxfp8_roundtrip(x[None, :], 1, BLOCK_K)  # [1, BLOCK_K]
-        w = load_mxfp4_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, K, ROWS, BLOCK_K)
-        acc += tl.sum(w * a, axis=1)
-    return acc
+def mxfp8_quantize_rows_fast(y, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr, HW_FP8: tl.constexpr):
+    """``_codecs.mxfp8_quantize_rows`` with the e4m3 rounding done by the hardware when HW_FP8
+    (``cvt.rn.satfinite.e4m3x2.f32``, sm_89+: RNE, saturating, as the software encoder). The
+    interpreter rounds fp32 -> e4m3 wrongly near powers of two, so CPU runs pass HW_FP8=False."""
+    yb = tl.reshape(y, [ROWS, NUM_BLOCKS, 32])
+    amax = tl.max(tl.abs(yb), axis=2)
+    k = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127  # floor(log2(amax))
+    e = tl.where(amax > 1.75 * _pow2(tl.maximum(k, -126)), k - 7, k - 8)  # 448 * 2**(k-8) = 1.75 * 2**k
+    e = tl.where(amax > 0.0, tl.minimum(tl.maximum(e, -127), 127), -127)
+    inv = _pow2(tl.minimum(-e, 127))  # exact: a power of two
+    ys = yb * inv[:, :, None]
+    if HW_FP8:
+        codes = ys.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = e4m3_encode(ys)
+    return tl.reshape(codes, [ROWS, NUM_BLOCKS * 32]), (e + 127).to(tl.uint8)
+
+
+@triton.jit
+def mx_dot_wa(wq, ws, aq, a_s, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
+              DOT_SCALED: tl.constexpr):
+    """acc [ROWS, COLS] += W @ A for an MXFP4 weight tile and an MXFP8 activation tile.
+
+    wq [ROWS, BLOCK_K/2] uint8 e2m1 pairs (low nibble = even k), ws [ROWS, BLOCK_K/32] e8m0;
+    aq [BLOCK_K, COLS] uint8 e4m3 (activations transposed: tokens are the MMA's N), a_s
+    [COLS, BLOCK_K/32] e8m0. DOT_SCALED: ``tl.dot_scaled`` (Triton's e2m1/e4m3 upcast + bf16 MMA
+    on sm_90a, its MX path on sm_12x). Else (the interpreter, which has no dot_scaled) both are
+    dequantized to fp32 here and multiplied with an fp32 ``tl.dot``: the same exact products.
+    """
+    if DOT_SCALED:
+        return tl.dot_scaled(wq, ws, "e2m1", aq, a_s, "e4m3", acc, fast_math=True)
+    else:
+        wi = wq.to(tl.int32)
+        w = tl.reshape(tl.join(e2m1_decode(wi), e2m1_decode(wi >> 4)), [ROWS, BLOCK_K // 32, 32])
+        w_e = tl.maximum(ws.to(tl.int32) - 127, -126)
+        w = tl.reshape(w * _pow2(w_e)[:, :, None], [ROWS, BLOCK_K])
+        a = tl.reshape(aq.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_K // 32, 32, COLS])
+        a_e = tl.maximum(tl.trans(a_s).to(tl.int32) - 127, -126)  # [BLOCK_K/32, COLS]
+        a = tl.reshape(a * _pow2(a_e)[:, None, :], [BLOCK_K, COLS])
+        return tl.dot(w, a, acc)
+
+
+@triton.jit
+def routed_tokens(topk_ids_ptr, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """Which tokens of the block t0 .. t0+BLOCK_M the program of routed slot ``p`` serves.
+
+    The program of slot p (= token * TOPK + j) owns expert ``topk_ids[p]`` for the whole token
+    block unless an earlier slot of the block routes to the same expert (then it is a duplicate
+    and does nothing), so each expert's weights are streamed once per block whatever the batch.
+    Ids are clamped to [0, E) (padded or garbage rows never index out of bounds).
+    Returns (expert int64, first, uses [BLOCK_M] bool, slot [BLOCK_M]: the token's first slot
+    routed there, hit [BLOCK_M, TOPK_PAD] bool: every slot routed there).
+    """
+    offs_t = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, TOPK_PAD)
+    tok = t0 + offs_t
+    slot_ok = (tok[:, None] < M) & (offs_j[None, :] < TOPK)
+    ids = tl.load(topk_ids_ptr + tok[:, None] * TOPK + offs_j[None, :], mask=slot_ok, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1)
+    expert = tl.minimum(tl.maximum(tl.load(topk_ids_ptr + p), 0), E - 1)
+    hit = slot_ok & (ids == expert)
+    local = offs_t[:, None] * TOPK + offs_j[None, :]
+    first = tl.sum((hit & (local < p - t0 * TOPK)).to(tl.int32)) == 0
+    uses = tl.max(hit.to(tl.int32), axis=1) > 0
+    slot = tl.min(tl.where(hit, offs_j[None, :], TOPK_PAD), axis=1)
+    return expert.to(tl.int64), first, uses, slot, hit
