@@ -42,6 +42,10 @@ for step in "$@"; do
     e2e_moe) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "moe" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
+    kvtests) python3 -m pytest -q -m "gpu or interpreter" tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_moe.py tests/test_moe_block.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/kvtests.log" ;;
+    moequick) python3 benchmarks/moe.py --m 1,2,4,8,64,512 --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 45 ;;
+    e2e_prefix) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "nvfp4_prefix" -p no:cacheprovider > "$OUT/e2e_prefix.log" 2>&1; r=$?
+         grep -E "^nvfp4|Error|passed|failed" "$OUT/e2e_prefix.log" | head -n 20; (exit $r) ;;
     kvacc) python3 benchmarks/kv_accuracy.py --kernel --out "$OUT/kv_accuracy.json" 2>&1 | tail -n 12 ;;
     benchkv) for kv in fp8 nvfp4; do python3 benchmarks/attention.py --kv-dtype $kv --out "$OUT/attention_$kv.json" 2>&1 | tee "$OUT/bench_$kv.log" | grep -E "^(decode full|device|copy)" ; done ;;
     e2e_kv) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "quantized or nvfp4" -p no:cacheprovider > "$OUT/e2e_kv.log" 2>&1; r=$?
