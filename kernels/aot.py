@@ -106,7 +106,7 @@ def attention_specs(family: str) -> list[Spec]:
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         ))
-    tile = _platform.attn_tile(family, "decode", 64)
+    tile = _platform.attn_tile(family, "decode_nvfp4", 64)
     for halves in (True, False):
         specs.append(Spec(
             name=f"paged_attention[decode,d64,nvfp4-{'halves' if halves else 'rows'},all-features]",

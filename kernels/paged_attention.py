@@ -52,10 +52,12 @@ PROGRAMS_PER_SM = 4
 FILLED_GPU_MIN_SPLIT_TOKENS = 2048
 # nvfp4 pages: multiply each nibble half of a page with its own (even/odd) half of q and
 # accumulate the output halves separately (no in-register re-layout of decoded rows); False
-# decodes whole rows and joins them (the first version). Chosen by benchmarks/tune_kv.py.
+# decodes whole rows and joins them (the first version). benchmarks/tune_kv.py on an H100:
+# halves 1.4-1.8x faster (b32 ctx32k 896 vs 1599 us at the best tile of each).
 NVFP4_HALVES = True
 # bf16/fp8 pages: K loaded as [TILE_N, D] rows then transposed in registers (True) or gathered
-# as [D, TILE_N] directly (False, the measured bf16 default). Per KV kind; benchmarks/tune_kv.py.
+# as [D, TILE_N] directly (False). Per KV kind; benchmarks/tune_kv.py on an H100: rows no
+# faster for either (fp8 b32 ctx32k 584 us cols vs >= 590 rows), so both stay False.
 K_ROWS = {"bf16": False, "fp8": False}
 
 
@@ -268,6 +270,8 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     num_q_per_kv = num_q_heads // num_kv_heads
     head_pad = max(16, _next_pow2(head_size))
     kind = "decode" if max_query_len * num_q_per_kv <= 16 else ("prefill" if sliding_window is None else "prefill_sw")
+    if kind == "decode" and kv_nvfp4:
+        kind = "decode_nvfp4"
     tile = tile or _platform.attn_tile(family, kind, head_pad)
     # Never more rows than the longest query needs (spec-verify 1+k would waste half a tile).
     rows = _next_pow2(max(1, max_query_len) * num_q_per_kv)
