@@ -119,6 +119,12 @@ ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
     (INTERPRETER, "prefill_sw", 256): AttnTile(16, 16, 4, 1),
 }
 
+# nvfp4 KV decode: use the hardware e2m1x2 -> f16x2 conversion (cvt.rn.f16x2.e2m1x2, accepted by
+# ptxas for sm_121a, rejected for sm_90a) instead of the integer bit trick. It compiles for
+# sm_121a (tests/test_aot_compile.py) but has never executed (no sm_12x GPU here), so it stays
+# off until a GB10 run checks it against the reference (pytest -m gpu tests/test_fp4_kv.py).
+NVFP4_HW_E2M1: dict[str, bool] = {SM12X: False}
+
 # Streaming multiprocessors, for the split-KV heuristic (the launcher reads the real count
 # from the device when it has one).
 DEFAULT_SM_COUNT = {SM90: 132, SM12X: 48, INTERPRETER: 4}

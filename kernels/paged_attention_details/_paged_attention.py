@@ -37,6 +37,17 @@ def _e2m1_times_scale_f16(codes, scale_f16):
 
 
 @triton.jit
+def _e2m1x2_hw_times_scale_f16(packed, scale_f16):
+    """Both nibbles of each byte through the hardware ``cvt.rn.f16x2.e2m1x2`` (sm_100+/sm_12x
+    family-specific targets only; ptxas rejects it for sm_90a), then times the fp16 block scales.
+    Low nibble -> low half (element 2i), as the codec packs. Exact, as the bit-trick version."""
+    lo, hi = tl.inline_asm_elementwise(
+        asm="{ .reg .b8 t; .reg .b32 r; cvt.u8.u16 t, $2; cvt.rn.f16x2.e2m1x2 r, t; mov.b32 {$0, $1}, r; }",
+        constraints="=h,=h,h", args=[packed.to(tl.uint16)], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return lo * scale_f16, hi * scale_f16
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
     """Index of the sequence whose query blocks contain program ``q_block_global``.
 
@@ -105,6 +116,8 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
     NVFP4_HALVES: tl.constexpr,  # KV_NVFP4: dots on even/odd head-dim halves (no re-layout); else rows decoded + joined
     K_ROWS: tl.constexpr,  # bf16/fp8 pages: load K as [TILE_N, D] rows and transpose in registers (else [D, TILE_N])
+    E2M1_HW: tl.constexpr,  # nvfp4 halves: hardware e2m1x2 -> f16x2 conversion (sm_12x only; never on sm_90)
+    NVFP4_VEC: tl.constexpr,  # nvfp4 halves: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -191,20 +204,42 @@ def _paged_attention_kernel(
         if KV_NVFP4 and NVFP4_HALVES:
             # K^T halves [D/2, TILE_N] and V halves [TILE_N, D/2] straight from the packed bytes;
             # the e4m3 scale of element pair i is scale (2i) // 16 = i // 8 of its token.
-            kq = tl.load(k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_h2[:, None],
-                         mask=n_ok[None, :], other=0)
-            ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
-                         + slot[None, :] * (HEAD_SIZE // 16) + offs_h2[:, None] // 8, mask=n_ok[None, :], other=0)
-            ksf = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            k_lo = _e2m1_times_scale_f16(kq, ksf)
-            k_hi = _e2m1_times_scale_f16(kq >> 4, ksf)
+            if NVFP4_VEC:
+                offs_s16 = tl.arange(0, HEAD_PAD // 16)
+                kq = tl.trans(tl.load(k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t
+                                      + offs_h2[None, :], mask=n_ok[:, None], other=0))
+                ks = tl.trans(tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[:, None] * stride_kb_b
+                                      + slot[:, None] * (HEAD_SIZE // 16) + offs_s16[None, :], mask=n_ok[:, None],
+                                      other=0))
+                ksf = tl.reshape(tl.broadcast_to(ks.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, None, :],
+                                                 [HEAD_PAD // 16, 8, TILE_N]), [HEAD_PAD // 2, TILE_N])
+            else:
+                kq = tl.load(k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_h2[:, None],
+                             mask=n_ok[None, :], other=0)
+                ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
+                             + slot[None, :] * (HEAD_SIZE // 16) + offs_h2[:, None] // 8, mask=n_ok[None, :], other=0)
+                ksf = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if E2M1_HW:
+                k_lo, k_hi = _e2m1x2_hw_times_scale_f16(kq, ksf)
+            else:
+                k_lo = _e2m1_times_scale_f16(kq, ksf)
+                k_hi = _e2m1_times_scale_f16(kq >> 4, ksf)
             vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_h2[None, :],
                          mask=n_ok[:, None], other=0)
-            vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
-                         + slot[:, None] * (HEAD_SIZE // 16) + offs_h2[None, :] // 8, mask=n_ok[:, None], other=0)
-            vsf = vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            v_lo = _e2m1_times_scale_f16(vq, vsf)
-            v_hi = _e2m1_times_scale_f16(vq >> 4, vsf)
+            if NVFP4_VEC:
+                vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
+                             + slot[:, None] * (HEAD_SIZE // 16) + offs_s16[None, :], mask=n_ok[:, None], other=0)
+                vsf = tl.reshape(tl.broadcast_to(vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
+                                                 [TILE_N, HEAD_PAD // 16, 8]), [TILE_N, HEAD_PAD // 2])
+            else:
+                vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
+                             + slot[:, None] * (HEAD_SIZE // 16) + offs_h2[None, :] // 8, mask=n_ok[:, None], other=0)
+                vsf = vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if E2M1_HW:
+                v_lo, v_hi = _e2m1x2_hw_times_scale_f16(vq, vsf)
+            else:
+                v_lo = _e2m1_times_scale_f16(vq, vsf)
+                v_hi = _e2m1_times_scale_f16(vq >> 4, vsf)
             if DOT_FP32:
                 k_lo, k_hi, v_lo, v_hi = k_lo.to(tl.float32), k_hi.to(tl.float32), v_lo.to(tl.float32), v_hi.to(tl.float32)
             else:
