@@ -126,3 +126,25 @@ def test_impl_keeps_per_layer_hyperparameters():
         SM121AttentionImpl(64, 64, 0.125, 8, [1.0] * 64, None, "auto", None, "decoder", None)
     with pytest.raises(ValueError, match="sinks has 3 entries"):
         SM121AttentionImpl(64, 64, 0.125, 8, None, None, "auto", None, "decoder", None, sinks=torch.zeros(3))
+
+
+def test_sm121_options_are_validated_when_layers_are_built(monkeypatch):
+    """--additional-config '{"sm121": ...}' with an unknown key or a value not implemented in this
+    release fails when vLLM builds the model's SM121 layers (its config current), naming the option."""
+    import types
+
+    import vllm.config
+
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+
+    def build(additional):
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config",
+                            lambda: types.SimpleNamespace(additional_config=additional))
+        return SM121AttentionImpl(64, 64, 0.125, 8, None, None, "auto", None, "decoder", None)
+
+    build({"sm121": {"moe": "upstream"}})
+    build({"other_plugin": {"x": 1}})
+    with pytest.raises(ValueError, match="unknown option"):
+        build({"sm121": {"mo": "upstream"}})
+    with pytest.raises(ValueError, match="'dense_weights': 'fp8' is not implemented"):
+        build({"sm121": {"dense_weights": "fp8"}})

@@ -21,6 +21,21 @@ _FP8_CACHE = ("fp8", "fp8_e4m3")
 logger = init_logger("vllm.sm121")
 
 
+def _validate_sm121_options() -> None:
+    """Check ``--additional-config '{"sm121": ...}'`` when a model builds SM121 layers (the vLLM
+    config is current then): an unknown key, value or a value not implemented in this release is
+    an error at startup, never ignored."""
+    from vllm.config import get_current_vllm_config
+
+    from vllm_sm121 import config
+
+    try:
+        vllm_config = get_current_vllm_config()
+    except AssertionError:  # no vLLM config being built (kernel-level use, tests)
+        return
+    config.from_vllm_config(vllm_config)
+
+
 class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
     def __init__(
         self,
@@ -39,6 +54,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
     ) -> None:
         if alibi_slopes is not None:
             raise ValueError("SM121 attention does not support ALiBi; use another --attention-backend")
+        _validate_sm121_options()
         if attn_type != AttentionType.DECODER:
             raise ValueError(f"SM121 attention supports decoder self-attention only, got attn_type={attn_type}")
         self.num_heads = num_heads
