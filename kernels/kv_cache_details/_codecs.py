@@ -128,31 +128,3 @@ def to_bf16_rne(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
-@triton.jit
-def mx_row_dot(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_rows, row_ok, K: tl.constexpr, ROWS: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """sum_k a[k] * W[row, k] for one MXFP8 activation row and ROWS MXFP4 weight rows (CUDA cores).
-
-    a: K e4m3 bytes + K/32 e8m0 scales; W rows: K/2 e2m1-pair bytes (low nibble first) + K/32
-    e8m0 scales, row ``w_rows[i]`` of a row-major [*, K/2] / [*, K/32] pair. Returns fp32 [ROWS].
-    e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero blocks use it).
-    """
-    acc = tl.zeros([ROWS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + offs_k, mask=k_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        a_e = tl.load(a_scale_ptr + offs_k // 32, mask=k_ok, other=127).to(tl.int32) - 127
-        a = a * _pow2(tl.maximum(a_e, -126))
-        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
-                     mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0).to(tl.int32)
-        w = tl.reshape(tl.join(e2m1_decode(wq), e2m1_decode(wq >> 4)), [ROWS, BLOCK_K // 32, 32])
-        offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        w_e = tl.load(w_scale_ptr + w_rows[:, None] * (K // 32) + offs_kg[None, :],
-                      mask=row_ok[:, None] & (offs_kg[None, :] < K // 32), other=127).to(tl.int32) - 127
-        w = tl.reshape(w * _pow2(tl.maximum(w_e, -126))[:, :, None], [ROWS, BLOCK_K])
-        acc += tl.sum(w * a[None, :], axis=1)
-    return acc

@@ -2,8 +2,8 @@
 
 Every loader returns fp32 values exactly as the MX formats define them, so the CUDA-core
 (decode) and ``tl.dot`` (grouped) kernels see the same operands: an e4m3 or e2m1 code times a
-power of two is exact in fp32 and in bf16. e8m0 byte 0 (2**-127) is read as 2**-126, as in
-``_codecs.mx_row_dot`` (only all-zero blocks use it).
+power of two is exact in fp32 and in bf16. e8m0 byte 0 (2**-127) is read as 2**-126
+(only all-zero blocks use it).
 """
 
 import triton
