@@ -738,6 +738,14 @@ BACKEND_LINE = re.compile(
     r"|Mxfp4 MoE|cudagraph_mode|Capturing CUDA graphs|init engine"
 )
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")
+# vLLM's startup line with the KV-cache capacity: "GPU KV cache size: 1,234,567 tokens"
+KV_CAPACITY_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_capacity_tokens(line: str) -> int | None:
+    """The token count of vLLM's "GPU KV cache size" log line, else None."""
+    m = KV_CAPACITY_LINE.search(line)
+    return int(m.group(1).replace(",", "")) if m else None
 
 
 def run_child(
@@ -758,6 +766,7 @@ def run_child(
         tail: collections.deque[str] = collections.deque(maxlen=60)
         backend_lines: list[str] = []
         error_lines: list[str] = []
+        capacity: list[int] = []
         seen: collections.Counter[str] = collections.Counter()
         logf = log_path.open("w") if log_path else None
         proc = subprocess.Popen(
@@ -784,6 +793,9 @@ def run_child(
                     # a few lines of each kind (one per layer would be too many)
                     seen[hit.group(0)] += 1
                     backend_lines.append(line)
+                tokens = kv_capacity_tokens(line)
+                if tokens is not None:
+                    capacity.append(tokens)
                 ours = line.startswith(LOG_PREFIX)
                 if not ours and ERROR_LINE.search(line) and len(error_lines) < 20:
                     error_lines.append(line.strip())
@@ -819,6 +831,8 @@ def run_child(
             res = {"error": f"child exited rc={rc} without a result"}
     res["returncode"] = rc
     res["backend_log_lines"] = backend_lines
+    if capacity:  # KV-cache capacity vLLM reported at startup (bf16 vs fp8 vs nvfp4 pages)
+        res["kv_cache_tokens"] = capacity[-1]
     if log_path:
         res["log"] = str(log_path)
     if timed_out:
@@ -1507,6 +1521,9 @@ def main(argv=None) -> int:
             derive_all(result)
             # after every configuration: partial results survive a killed run
             out.write_text(json.dumps(result, indent=1, default=str))
+            if run.get("kv_cache_tokens"):
+                print(f"{LOG_PREFIX} {plan['config']}: vLLM KV cache capacity {run['kv_cache_tokens']:,} tokens",
+                      flush=True)
             if run.get("error"):
                 print(f"{LOG_PREFIX} {plan['config']}: {run['error']}", flush=True)
                 for line in run.get("error_log_lines") or []:

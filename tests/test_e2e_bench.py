@@ -365,3 +365,11 @@ def test_without_gpu_says_so(tmp_path):
     )
     assert r.returncode == 2
     assert "needs a CUDA GPU" in r.stderr and "--dry-run" in r.stderr
+
+
+def test_kv_capacity_line_is_parsed():
+    """The suite records vLLM's startup KV capacity per configuration (bf16 vs fp8 vs nvfp4)."""
+    mod = _load()
+    line = "(EngineCore pid=1) INFO 11-26 08:30:03 [kv_cache_utils.py:1234] GPU KV cache size: 1,234,567 tokens"
+    assert mod.kv_capacity_tokens(line) == 1234567
+    assert mod.kv_capacity_tokens("Maximum concurrency for 4,096 tokens per request: 3.2x") is None
