@@ -6,7 +6,8 @@ Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
     python benchmarks/moe.py                          # gpt-oss-120b layer, M = 1..4096, all providers
     python benchmarks/moe.py --m 1,8,512 --providers sm121,triton --reps 20
     python benchmarks/moe.py --experts 32             # gpt-oss-20b layer
-    python benchmarks/moe.py --dry-run                # CPU, Triton interpreter: tiny shapes, ours only
+    python benchmarks/moe.py --dry-run                # CPU, Triton interpreter: tiny shapes; ours run
+                                                      # (sm121 through vLLM's layer), upstream: config only
 
 Shapes
     gpt-oss-120b expert layer: hidden 2880, intermediate 2880, 128 experts, top-4, biases, gpt-oss
@@ -14,10 +15,16 @@ Shapes
     2**-9..2**-6 (dummy loading would leave zeros); x and router logits N(0, 1) bf16, so routing
     is near uniform (M tokens touch ~min(E, 4M) experts).
 
-Providers (each one vLLM ``FusedMoE`` layer built and called through vLLM's own layer API:
-``FusedMoE(...)`` under ``set_current_vllm_config``, weights copied into its parameters,
-``quant_method.process_weights_after_loading``, ``layer(x, router_logits)`` under
-``set_forward_context``, i.e. MoERunner -> ``vllm::moe_forward`` -> the method)
+Providers (each one vLLM ``FusedMoE`` layer built and called through vLLM's own layer API, as the
+engine does for gpt-oss: a ``VllmConfig`` whose ``ModelConfig`` is a gpt-oss checkpoint
+(models/gpt-oss-20b/config.json, quantization_config mxfp4, with this run's hidden/intermediate/
+experts/top-k, written to a temp dir), ``LoadConfig(load_format="dummy")`` and
+``KernelConfig(moe_backend=...)`` (= ``--moe-backend``); under ``set_current_vllm_config`` the
+layer is ``FusedMoE(...)`` with gpt_oss.py MLPBlock's arguments and ``vllm_config.quant_config``,
+the checkpoint tensors go in through the parameters' ``weight_loader`` (as gpt_oss.py's MXFP4
+loader), then vLLM's ``process_weights_after_loading`` (-> ``quant_method.process_weights_after_loading``),
+and ``layer(x, router_logits)`` runs under ``set_forward_context``, i.e. MoERunner ->
+``vllm::moe_forward`` -> the method; every provider gets the same random MXFP4 codes/scales/biases)
     sm121           our ``Sm121Mxfp4MoEMethod`` (``sm121_mxfp4`` config resolved to "mxfp8");
                     sm121_decode / sm121_grouped: its two paths forced (kernel launcher only).
     triton          ``GptOssMxfp4MoEMethod`` with ``--moe-backend triton``: vLLM's default on sm_90
@@ -49,6 +56,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,7 +81,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     ap.add_argument("--out", default=str(REPO_ROOT / "results" / "moe.json"))
-    ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, ours only")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU + Triton interpreter, tiny shapes: ours run, upstream providers config only")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.hidden, args.inter, args.experts = 64, 64, 8
@@ -118,10 +127,68 @@ def bytes_moved(args, topk_ids: torch.Tensor) -> int:
 
 # ---- providers (each returns fn() -> bf16 [M, H]) -------------------------------------------------
 
+UPSTREAM_MOE_BACKENDS = {"triton": "triton", "marlin": "marlin"}  # provider -> --moe-backend (KernelConfig.moe_backend)
+HF_CONFIG = REPO_ROOT / "models" / "gpt-oss-20b" / "config.json"  # shipped; 120b differs only in experts/layers
+_CONFIG_DIRS: dict[str, tempfile.TemporaryDirectory] = {}
 _DIST_READY = False
 
 
-def _init_vllm_dist():
+def gpt_oss_hf_config(args) -> dict:
+    """The checkpoint's config.json (quantization_config: mxfp4) with the benchmark's layer shape."""
+    cfg = json.loads(HF_CONFIG.read_text())
+    cfg.update(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts,
+               num_experts_per_tok=args.topk, experts_per_token=args.topk)
+    return cfg
+
+
+def model_dir(args) -> str:
+    """A directory holding ``gpt_oss_hf_config(args)`` as config.json (kept for the process)."""
+    text = json.dumps(gpt_oss_hf_config(args), indent=1, sort_keys=True)
+    if text not in _CONFIG_DIRS:
+        tmp = tempfile.TemporaryDirectory(prefix="moe-bench-gpt-oss-")
+        (Path(tmp.name) / "config.json").write_text(text)
+        _CONFIG_DIRS[text] = tmp
+    return _CONFIG_DIRS[text].name
+
+
+def build_model_config(args):
+    """vLLM's ModelConfig for the gpt-oss checkpoint shape (what ``vllm serve`` builds; CPU-safe)."""
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=model_dir(args), skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+
+
+def build_vllm_config(provider: str, args, model_config=None, device: str = "cuda"):
+    """The VllmConfig ``provider``'s layer is built and run under.
+
+    ``sm121``: our config (``sm121_mxfp4`` resolved to "mxfp8", as resolve_moe gives gpt-oss with
+    --attention-backend SM121). Upstream providers: the quant config vLLM derives from the
+    checkpoint (``gpt_oss_mxfp4``) with ``--moe-backend <provider>``.
+    """
+    from vllm.config import DeviceConfig, KernelConfig, LoadConfig, VllmConfig
+
+    model_config = model_config or build_model_config(args)
+    quant_config = None
+    if provider.startswith("sm121"):
+        from vllm_sm121.moe.method import Sm121GptOssMxfp4Config
+
+        quant_config = Sm121GptOssMxfp4Config.from_config(model_config.hf_config.quantization_config)
+        quant_config._moe = "mxfp8"
+    return VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="dummy"),
+                      device_config=DeviceConfig(device=device), quant_config=quant_config,
+                      kernel_config=KernelConfig(moe_backend=UPSTREAM_MOE_BACKENDS.get(provider, "auto")))
+
+
+def layer_kwargs(vllm_config, prefix: str) -> dict:
+    """``FusedMoE`` arguments exactly as gpt_oss.py's MLPBlock passes them (TP 1, no SP)."""
+    hf = vllm_config.model_config.hf_config
+    return {"num_experts": hf.num_local_experts, "top_k": hf.num_experts_per_tok, "hidden_size": hf.hidden_size,
+            "intermediate_size": hf.intermediate_size, "renormalize": True, "quant_config": vllm_config.quant_config,
+            "prefix": prefix, "apply_router_weight_on_input": False, "has_bias": True, "activation": "swigluoai",
+            "is_sequence_parallel": False}
+
+
+def _init_vllm_dist(device: str = "cuda"):
     global _DIST_READY
     if _DIST_READY:
         return
@@ -129,46 +196,56 @@ def _init_vllm_dist():
 
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}",
-                                 backend="nccl")
+                                 backend="nccl" if device == "cuda" else "gloo")
     initialize_model_parallel(1, 1)
     _DIST_READY = True
 
 
-def make_vllm_layer(provider: str, args, weights: dict):
+def load_weights(experts, weights: dict) -> None:
+    """Checkpoint tensors into the layer's parameters through their weight_loader, as gpt_oss.py's
+    MXFP4 loader does (combined experts; backends that pad keep the checkpoint top-left)."""
+    for name, w in weights.items():
+        param = getattr(experts, name)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            raise RuntimeError(f"{name} has no weight_loader")
+        loader(param, w.to(param.device), weight_name=f"{experts.layer_name}.{name}", shard_id=None, expert_id=None)
+
+
+def make_vllm_layer(provider: str, args, weights: dict, device: str = "cuda"):
     """A vLLM FusedMoE layer with ``provider``'s method; returns (fn(x, logits), info)."""
-    from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe import FusedMoE
-    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_sm121.moe.method import Sm121GptOssMxfp4Config
-
-    if provider == "sm121":
-        quant_config = Sm121GptOssMxfp4Config()
-        quant_config._moe = "mxfp8"  # what resolve_moe gives gpt-oss with --attention-backend SM121
-        backend = "auto"
-    else:
-        quant_config, backend = GptOssMxfp4Config(), provider
-    vc = VllmConfig(kernel_config=KernelConfig(moe_backend=backend))
+    vc = build_vllm_config(provider, args, device=device)
+    prefix = f"model.layers.{PROVIDERS.index(provider)}.mlp.experts"
     # Everything vLLM-side (model-parallel groups, layer construction, weight processing, the
-    # forward) runs under this config: vLLM 0.26 asserts a current config in all of them.
+    # forward) runs under this config, as in the engine: vLLM 0.26 reads it in all of them
+    # (e.g. the MXFP4 oracle reads vllm_config.model_config.quantization_config).
     with set_current_vllm_config(vc):
-        _init_vllm_dist()
-        with torch.device("cuda"):
-            layer = FusedMoE(num_experts=args.experts, top_k=args.topk, hidden_size=args.hidden,
-                             intermediate_size=args.inter, params_dtype=torch.bfloat16, renormalize=True,
-                             quant_config=quant_config, prefix=f"bench.{provider}.experts", has_bias=True,
-                             activation="swigluoai", apply_router_weight_on_input=False)
-        experts = getattr(layer, "routed_experts", layer)
+        _init_vllm_dist(device)
+        with set_default_torch_dtype(vc.model_config.dtype), torch.device(device):
+            layer = FusedMoE(**layer_kwargs(vc, prefix))
+        experts = layer.routed_experts
         with torch.no_grad():
-            for name, w in weights.items():
-                p = getattr(experts, name)
-                if p.dim() == 3:
-                    p.data[:, : w.shape[1], : w.shape[2]].copy_(w)  # backends that pad keep the checkpoint top-left
-                else:
-                    p.data[:, : w.shape[1]].copy_(w)
-        experts.quant_method.process_weights_after_loading(experts)
-    info = type(experts.quant_method).__name__ + "/" + str(getattr(experts.quant_method, "mxfp4_backend", "sm121"))
+            load_weights(experts, weights)
+        process_weights_after_loading(layer, vc.model_config, torch.device(device))
+    method = experts.quant_method
+    if provider in UPSTREAM_MOE_BACKENDS:
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import map_mxfp4_backend
+        from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+        wanted = map_mxfp4_backend(UPSTREAM_MOE_BACKENDS[provider])
+        if not isinstance(method, GptOssMxfp4MoEMethod) or method.mxfp4_backend not in wanted:
+            raise RuntimeError(f"got {type(method).__name__}/{getattr(method, 'mxfp4_backend', None)}, "
+                               f"expected GptOssMxfp4MoEMethod/{[b.name for b in wanted]}")
+    backend = getattr(method, "mxfp4_backend", None)
+    info = f"{type(method).__name__}/{backend.name if backend is not None else 'sm121'}"
+    if getattr(method, "experts_cls", None) is not None:
+        info += f"/{method.experts_cls.__name__}"
 
     def fn(x, logits):
         with set_current_vllm_config(vc), set_forward_context(None, vc):
@@ -190,11 +267,15 @@ def make_kernel_path(path: str, args, weights: dict):
 
 
 def make_provider(provider: str, args, weights: dict, device):
+    """(fn, info), or a status string for a provider that is not run here."""
     if provider.startswith("sm121_"):
         return make_kernel_path(provider.split("_", 1)[1], args, weights)
-    if device.type != "cuda":
-        return make_kernel_path("auto", args, weights) if provider == "sm121" else None
-    return make_vllm_layer(provider, args, weights)
+    if device.type != "cuda" and provider in UPSTREAM_MOE_BACKENDS:
+        # Their kernels need CUDA; check what can be checked here: the config they are built under.
+        vc = build_vllm_config(provider, args, device=device.type)
+        return (f"skipped: needs CUDA (config ok: quantization {vc.model_config.quantization}, "
+                f"--moe-backend {vc.kernel_config.moe_backend}, {vc.model_config.hf_config.num_local_experts} experts)")
+    return make_vllm_layer(provider, args, weights, device=device.type)
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -287,7 +368,7 @@ def main(argv=None) -> int:
         try:
             providers[p] = make_provider(p, args, weights, device)
         except Exception as e:  # noqa: BLE001 - a provider that cannot run on this card is a result
-            providers[p] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            providers[p] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     records = []
     print(f"{'provider':<14}{'M':>6}{'p50 us':>11}{'p20':>11}{'p80':>11}{'MB moved':>10}{'GB/s':>8}{'% copy':>8}"
           f"{'relL2 ref':>11}{'relL2 bf16':>11}  info")
@@ -319,7 +400,7 @@ def main(argv=None) -> int:
                     out = fn(x, logits)
                     times = [(time.perf_counter() - t0) * 1e6]
             except Exception as e:  # noqa: BLE001
-                rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 records.append(rec)
                 print(f"{p:<14}{m:>6}  {rec['status']}")
                 continue
@@ -342,6 +423,11 @@ def main(argv=None) -> int:
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))
     print(f"wrote {out_path}")
     bad = [r for r in records if r["provider"].startswith("sm121") and r.get("status") != "ok"]
+    if _DIST_READY:
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
     return 1 if bad else 0
 
 

@@ -1,0 +1,98 @@
+"""CPU checks of benchmarks/moe.py: the vLLM config each provider's layer is built under (a real
+gpt-oss MXFP4 ModelConfig, so vLLM's MXFP4 oracle can read ``model_config.quantization_config``;
+on an H100 the upstream providers died on ``None.quantization_config`` without it), the
+``FusedMoE`` arguments (gpt_oss.py MLPBlock's), and the ``--dry-run``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "moe.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("moe_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["moe_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load()
+
+
+@pytest.fixture(scope="module")
+def args():
+    return bench.parse_args(["--experts", "32", "--m", "1"])
+
+
+@pytest.fixture(scope="module")
+def model_config(args):
+    return bench.build_model_config(args)
+
+
+def test_model_config_is_gpt_oss_mxfp4_with_requested_shape(args, model_config):
+    assert model_config.quantization in ("mxfp4", "gpt_oss_mxfp4")
+    hf = model_config.hf_config
+    assert hf.model_type == "gpt_oss"
+    assert hf.quantization_config["quant_method"] in ("mxfp4", "gpt_oss_mxfp4")  # vLLM normalizes it
+    assert (hf.num_local_experts, hf.num_experts_per_tok) == (32, 4)
+    assert (hf.hidden_size, hf.intermediate_size) == (2880, 2880)
+    small = bench.build_model_config(bench.parse_args(["--experts", "8", "--hidden", "128", "--inter", "64"]))
+    assert (small.hf_config.num_local_experts, small.hf_config.hidden_size, small.hf_config.intermediate_size) == (8, 128, 64)
+    assert model_config.hf_config.num_local_experts == 32  # its own temp dir, untouched
+
+
+@pytest.mark.parametrize("provider", ["triton", "marlin"])
+def test_upstream_provider_config(args, model_config, provider):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+        Mxfp4MoeBackend,
+        _user_moe_activation_override,
+        map_mxfp4_backend,
+    )
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+
+    vc = bench.build_vllm_config(provider, args, model_config, device="cpu")
+    assert vc.model_config is model_config
+    assert vc.kernel_config.moe_backend == provider
+    assert map_mxfp4_backend(vc.kernel_config.moe_backend) == [Mxfp4MoeBackend[provider.upper()]]
+    assert isinstance(vc.quant_config, GptOssMxfp4Config)
+    assert vc.quant_config.get_name() == "gpt_oss_mxfp4"  # the name the expert weight_loader keys on
+    with set_current_vllm_config(vc):
+        assert _user_moe_activation_override() is None  # the read that raised AttributeError on the H100
+
+    kw = bench.layer_kwargs(vc, "model.layers.0.mlp.experts")
+    assert kw["quant_config"] is vc.quant_config
+    assert {k: kw[k] for k in ("num_experts", "top_k", "hidden_size", "intermediate_size")} == {
+        "num_experts": 32, "top_k": 4, "hidden_size": 2880, "intermediate_size": 2880}
+    assert (kw["activation"], kw["has_bias"], kw["renormalize"], kw["apply_router_weight_on_input"]) == (
+        "swigluoai", True, True, False)
+
+
+def test_sm121_provider_config(args, model_config):
+    from vllm_sm121.moe.method import Sm121GptOssMxfp4Config
+
+    vc = bench.build_vllm_config("sm121", args, model_config, device="cpu")
+    assert isinstance(vc.quant_config, Sm121GptOssMxfp4Config)
+    assert vc.quant_config.resolved_moe() == "mxfp8"
+    assert vc.kernel_config.moe_backend == "auto"
+    assert vc.model_config.hf_config.num_local_experts == 32
+
+
+def test_dry_run_exits_0(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--m", "1", "--providers", "sm121,triton",
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Sm121Mxfp4MoEMethod" in proc.stdout  # sm121 ran through vLLM's FusedMoE layer
+    assert "config ok: quantization gpt_oss_mxfp4, --moe-backend triton, 8 experts" in proc.stdout
+    assert out.exists()
