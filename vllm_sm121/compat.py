@@ -44,6 +44,19 @@ SHIMS: list[Shim] = [
         patch="0002-spec-decode-drafter-inherits-opted-in-attention-backend.patch",
         removal="once upstream lets a backend opt in to being inherited by drafters (the patch)",
     ),
+    Shim(
+        symbol="vllm.model_executor.models.gpt_oss.GptOssModel.block_cls (process-global class attribute)",
+        why="vLLM runs the MoE as the opaque op moe_forward, so a MoE method cannot fuse the quantization "
+            "of its input with the post-attention residual add + RMSNorm; gpt-oss's experts would get bf16 "
+            "and quantize it again. Only the model can hand the norm's MXFP8 output to the experts.",
+        how="Set GptOssModel.block_cls (the documented override point) to vllm_sm121.moe.hook.Sm121GptOssBlock "
+            "right after gpt_oss.py is imported, only while vllm_sm121.moe.READY (from moe.register()). "
+            "The block falls back to upstream's forward for layers whose experts are not on "
+            "Sm121Mxfp4MoEMethod or are parallel/LoRA/sequence-parallel.",
+        patch="0004-gpt-oss-fused-norm-mxfp8-moe-hook.patch",
+        removal="once upstream lets a MoE quant method consume the post-attention norm (the patch), move "
+                "hooked_mlp_forward into Sm121Mxfp4MoEMethod.fused_norm_moe_forward and drop the block class",
+    ),
 ]
 
 
@@ -134,3 +147,24 @@ def _patch_create_draft_vllm_config(module) -> None:
 def register_drafter_inherits_sm121() -> None:
     """Shim 0002: an Eagle3/draft model without its own attention_backend follows an SM121 target."""
     on_import("vllm.v1.spec_decode.llm_base_proposer", _patch_create_draft_vllm_config)
+
+
+def _install_gpt_oss_block(module) -> None:
+    from vllm.logger import init_logger
+
+    from vllm_sm121.moe.hook import Sm121GptOssBlock
+
+    model = module.GptOssModel
+    if model.block_cls is Sm121GptOssBlock:
+        return
+    if model.block_cls is not module.TransformerBlock:
+        init_logger("vllm.sm121").warning(
+            "gpt-oss: GptOssModel.block_cls is already %s; the fused norm->MXFP8 MoE hook is not installed",
+            model.block_cls.__qualname__)
+        return
+    model.block_cls = Sm121GptOssBlock
+
+
+def register_gpt_oss_fused_moe_block() -> None:
+    """Shim 0004: gpt-oss blocks whose experts run Sm121Mxfp4MoEMethod feed them the norm's MXFP8."""
+    on_import("vllm.model_executor.models.gpt_oss", _install_gpt_oss_block)

@@ -24,13 +24,18 @@ When the option is decided (``resolve_moe``)
     at probe time (tests, later vLLM versions), the override decides exactly.
 
 Constraints
-    No vLLM private surface is touched here. No expert parallelism; hidden and per-rank
-    intermediate sizes must be multiples of 64 (gpt-oss: 2880).
+    No vLLM private surface is touched here (the hook's class-attribute swap is compat shim
+    0004). No expert parallelism; hidden and per-rank intermediate sizes must be multiples of 64
+    (gpt-oss: 2880).
 
-Limitations
-    The model-level hook (the post-attention add+RMSNorm emitting MXFP8 straight into FC1,
-    ``kernels/norm_mxfp8.py``) is not wired yet: the MoE receives bf16 and FC1 quantizes it to
-    MXFP8 in registers (fused; no standalone quantization kernel and no quantized copy).
+Model-level hook (``hook.py``)
+    ``register()`` also installs ``hook.Sm121GptOssBlock`` as gpt-oss's ``GptOssModel.block_cls``
+    (compat shim 0004, when gpt_oss.py is imported): in layers whose experts run
+    ``Sm121Mxfp4MoEMethod`` at TP=1 without sequence-parallel MoE, the post-attention
+    add+RMSNorm emits bf16 for the router and MXFP8 for the experts in one kernel
+    (``kernels/norm_mxfp8.py``), and the MoE op takes the MXFP8 directly. Elsewhere the block is
+    upstream's, and the MoE receives bf16 that FC1 quantizes to MXFP8 in registers (no standalone
+    quantization kernel, no quantized copy).
 
 upstream files: ``vllm/model_executor/layers/quantization/mxfp4.py``, ``vllm/config/model.py``
 (``_verify_quantization``), ``vllm/model_executor/layers/fused_moe/routed_experts.py``.
@@ -86,8 +91,11 @@ def register() -> str:
     """Register the ``sm121_mxfp4`` quantization config with vLLM (idempotent, import-light)."""
     from vllm.model_executor.layers.quantization import register_quantization_config
 
+    from vllm_sm121 import compat
+
     from .quant_config import Sm121Mxfp4Config
 
     register_quantization_config(QUANT_NAME)(Sm121Mxfp4Config)
+    compat.register_gpt_oss_fused_moe_block()  # the model-level hook (hook.py), on gpt_oss.py's import
     return (f"MXFP4 MoE with MXFP8 activations (quantization {QUANT_NAME}: gpt-oss MXFP4 checkpoints, "
             '--additional-config \'{"sm121": {"moe": "mxfp8"}}\', default on with --attention-backend SM121)')

@@ -1,0 +1,284 @@
+"""The gpt-oss model-level hook (``vllm_sm121.moe.hook``): norm -> MXFP8 -> experts, in vLLM's real block.
+
+CPU (Triton interpreter). A real ``Sm121GptOssBlock`` is built from a ``VllmConfig`` of
+models/gpt-oss-tiny shrunk to hidden 64 (vLLM's ``MLPBlock``, ``FusedMoE`` runner, ``RMSNorm``s
+and our quantization config; a single-rank gloo group), with only the attention replaced by a
+stand-in through the documented ``attention_cls`` override (vLLM's ``Attention`` needs a GPU
+platform). The shim's patch applying to vLLM 0.26.0 is checked by ``tests/test_compat.py``
+(parametrized over every ``compat.SHIMS`` entry).
+"""
+
+import dataclasses
+import itertools
+import socket
+import types
+
+import pytest
+import torch
+from test_moe_block import assert_block_close, fill_random_mxfp4_, rel_l2
+
+from vllm_sm121 import compat, moe
+from vllm_sm121.kernels.moe import moe_block_torch
+from vllm_sm121.kernels.norm_mxfp8 import fused_add_rmsnorm_mxfp8_torch
+from vllm_sm121.moe import hook  # registers the sm121:: ops
+
+pytestmark = pytest.mark.interpreter
+
+TINY = dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1, layer_types=["sliding_attention"],
+            vocab_size=128)
+_prefixes = itertools.count()
+
+
+class _StandInAttention(torch.nn.Module):
+    """Takes OAIAttention's constructor arguments; doubles its input."""
+
+    def __init__(self, config, prefix="", quant_config=None, cache_config=None):
+        super().__init__()
+
+    def forward(self, hidden_states, positions):
+        return hidden_states * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def env():
+    """READY on (as tests of the gated MoE do), the shim installed, one-rank groups; undone after."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.models import gpt_oss
+
+    from vllm_sm121 import config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "READY", True)
+        mp.setitem(config.OPTIONS, "moe", dataclasses.replace(config.OPTIONS["moe"], implemented=("mxfp8", "upstream")))
+        mp.setattr(gpt_oss.GptOssModel, "block_cls", gpt_oss.GptOssModel.block_cls)  # restored after
+        moe.register()  # installs hook.Sm121GptOssBlock (gpt_oss.py is already imported: at once)
+
+        def vllm_config(moe_option: str):
+            mc = ModelConfig(model="models/gpt-oss-tiny", skip_tokenizer_init=True, hf_overrides=TINY,
+                             dtype=torch.bfloat16)
+            return VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"),
+                              additional_config={"sm121": {"moe": moe_option}})
+
+        cfgs = {name: vllm_config(name) for name in ("mxfp8", "upstream")}
+        owns_dist = not ps.model_parallel_is_initialized()
+        if owns_dist:
+            with set_current_vllm_config(cfgs["mxfp8"]):
+                ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                ps.initialize_model_parallel(1, 1)
+        try:
+            yield types.SimpleNamespace(cfgs=cfgs, gpt_oss=gpt_oss)
+        finally:
+            if owns_dist:
+                ps.destroy_model_parallel()
+                ps.destroy_distributed_environment()
+
+
+def build_block(env, moe_option: str, seed: int = 0):
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_sm121.moe.hook import Sm121GptOssBlock
+
+    assert env.gpt_oss.GptOssModel.block_cls is Sm121GptOssBlock  # the shim's doing
+
+    class Block(env.gpt_oss.GptOssModel.block_cls):
+        attention_cls = _StandInAttention
+
+    cfg = env.cfgs[moe_option]
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        block = Block(cfg, quant_config=cfg.quant_config, prefix=f"model.layers.{next(_prefixes)}")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for norm in (block.input_layernorm, block.post_attention_layernorm):
+            norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=g))
+        block.mlp.router.weight.copy_(0.3 * torch.randn(block.mlp.router.weight.shape, generator=g))
+        block.mlp.router.bias.copy_(0.1 * torch.randn(block.mlp.router.bias.shape, generator=g))
+    experts = block.mlp.experts.routed_experts
+    if moe_option == "mxfp8":
+        fill_random_mxfp4_(experts, seed)
+        experts.quant_method.process_weights_after_loading(experts)
+    return block
+
+
+def _inputs(m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, TINY["hidden_size"], generator=g).bfloat16()
+    residual = torch.randn(m, TINY["hidden_size"], generator=g).bfloat16()
+    return x, torch.arange(m), residual
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])  # decode path up to DECODE_MAX_TOKENS = 8, grouped above
+def test_fused_block_matches_reference_and_upstream_forward(env, m):
+    from vllm.forward_context import set_forward_context
+
+    from vllm_sm121.moe.method import Sm121Mxfp4MoEMethod
+
+    block = build_block(env, "mxfp8", seed=m)
+    experts = block.mlp.experts.routed_experts
+    assert isinstance(experts.quant_method, Sm121Mxfp4MoEMethod) and block.sm121_fused_moe
+    x, pos, res0 = _inputs(m, seed=10 + m)
+    with torch.no_grad():
+        out, res = block(x, pos, res0.clone())
+
+        # Reference: upstream's input norm and the stand-in attention, then torch add+RMSNorm ->
+        # MXFP8, the block's router on the bf16 output, and the MoE reference on those MXFP8 values.
+        h, r1 = block.input_layernorm(x, res0.clone())
+        r_ref = r1.clone()
+        y, q, s = fused_add_rmsnorm_mxfp8_torch(2 * h, r_ref, block.post_attention_layernorm.weight)
+        logits = block.mlp.router(y)
+        ref = moe_block_torch(q, logits, experts.w13_weight, experts.w13_weight_scale, experts.w13_bias,
+                              experts.w2_weight, experts.w2_weight_scale, experts.w2_bias, 2, x_scale=s)
+        assert torch.equal(res, r_ref)  # the new residual, rounded once as upstream's fused add
+        assert_block_close(out, ref, f"hooked block M={m}")
+        assert ref.abs().max() > 0.3  # the GEMMs saw real values
+
+        # Upstream's forward of the same block (vLLM's norm, MLPBlock, moe_forward op, our method
+        # quantizing bf16 inside FC1). It rounds the norm output to bf16 before MXFP8, the fused
+        # norm quantizes the fp32 value: a few e4m3 values differ by one step (double rounding),
+        # well under the MXFP8-vs-bf16 format error (test_moe_block: up to 8e-2).
+        block.sm121_fused_moe = False
+        with set_forward_context(None, env.cfgs["mxfp8"]):
+            out_up, res_up = block(x, pos, res0.clone())
+    assert torch.equal(res_up, res)
+    print(f"\nM={m}: hooked vs MXFP8 reference {rel_l2(out, ref):.2e}; vs upstream forward {rel_l2(out, out_up):.2e}")
+    assert rel_l2(out, out_up) < 2e-2, rel_l2(out, out_up)
+
+
+def test_other_moe_method_keeps_upstream_forward(env, monkeypatch):
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+    block = build_block(env, "upstream")
+    assert isinstance(block.mlp.experts.routed_experts.quant_method, GptOssMxfp4MoEMethod)
+    assert block.sm121_fused_moe is False
+    assert hook.fused_moe_unsupported_reason(block, env.cfgs["upstream"]) == "experts not on Sm121Mxfp4MoEMethod"
+    sentinel = object()
+    monkeypatch.setattr(env.gpt_oss.TransformerBlock, "forward", lambda self, h, p, r: sentinel)
+    monkeypatch.setattr(hook, "hooked_mlp_forward", lambda *a: pytest.fail("fused path taken"))
+    assert block(*_inputs(2, seed=0)) is sentinel
+
+
+def test_parallel_lora_and_sequence_parallel_fall_back(env):
+    fused_moe_unsupported_reason = hook.fused_moe_unsupported_reason
+    block = build_block(env, "mxfp8")
+    cfg = env.cfgs["mxfp8"]
+    assert fused_moe_unsupported_reason(block, cfg) is None
+    moe_cfg = block.mlp.experts.routed_experts.moe_config
+    par = moe_cfg.moe_parallel_config
+    for field in ("tp_size", "dp_size", "pcp_size", "ep_size"):
+        moe_cfg.moe_parallel_config = dataclasses.replace(par, **{field: 2})
+        assert "parallel MoE" in fused_moe_unsupported_reason(block, cfg), field
+    moe_cfg.moe_parallel_config = par
+    block.mlp.is_sequence_parallel = True
+    assert fused_moe_unsupported_reason(block, cfg) == "sequence-parallel MoE"
+    block.mlp.is_sequence_parallel = False
+    with_lora = types.SimpleNamespace(lora_config=object(), model_config=cfg.model_config)
+    assert fused_moe_unsupported_reason(block, with_lora) == "LoRA"
+    fp16 = types.SimpleNamespace(lora_config=None, model_config=types.SimpleNamespace(dtype=torch.float16))
+    assert fused_moe_unsupported_reason(block, fp16) == "activations not bf16"
+
+
+def test_custom_ops_fake_impls_and_tracing(env):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t, h, e, i = 5, 64, 4, 64
+    with FakeTensorMode():
+        x, res, w = torch.empty(t, h, dtype=torch.bfloat16), torch.empty(t, h, dtype=torch.bfloat16), torch.empty(h)
+        y, q, s = torch.ops.sm121.add_rmsnorm_mxfp8(x, res, w.bfloat16(), 1e-5)
+        assert (y.shape, y.dtype, q.shape, q.dtype, s.shape, s.dtype) == (
+            (t, h), torch.bfloat16, (t, h), torch.float8_e4m3fn, (t, h // 32), torch.uint8)
+        u8 = torch.uint8
+        out = torch.ops.sm121.gpt_oss_moe_mxfp8(
+            q, s, torch.empty(t, e, dtype=torch.bfloat16), torch.empty(e, 2 * i, h // 2, dtype=u8),
+            torch.empty(e, 2 * i, h // 32, dtype=u8), torch.empty(e, 2 * i, dtype=torch.bfloat16),
+            torch.empty(e, h, i // 2, dtype=u8), torch.empty(e, h, i // 32, dtype=u8),
+            torch.empty(e, h, dtype=torch.bfloat16), 2)
+        assert (out.shape, out.dtype) == ((t, h), torch.bfloat16)
+
+    # The block's MoE half compiles into one Dynamo graph holding both ops (what vLLM's
+    # torch.compile sees; no graph break), and the compiled function gives the eager numbers.
+    block = build_block(env, "mxfp8")
+    x, _, res0 = _inputs(3, seed=1)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def mlp_half(hs, residual):
+        return hook.hooked_mlp_forward(hs, residual, block.post_attention_layernorm, block.mlp)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        res_c, res_e = res0.clone(), res0.clone()
+        out_c, _ = torch.compile(mlp_half, backend=capture, fullgraph=True)(x, res_c)
+        out_e, _ = mlp_half(x, res_e)
+    assert len(graphs) == 1
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert {"sm121.add_rmsnorm_mxfp8", "sm121.gpt_oss_moe_mxfp8"} <= {t.rsplit(".default", 1)[0] for t in targets}, targets
+    assert torch.equal(out_c, out_e) and torch.equal(res_c, res_e)
+
+
+def test_opcheck_norm_op():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    res = torch.randn(3, 64, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+    torch.library.opcheck(torch.ops.sm121.add_rmsnorm_mxfp8.default, (x, res, w, 1e-5),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_opcheck_moe_op():
+    from test_moe_block import Case, build_layer
+
+    from vllm_sm121.kernels.norm_mxfp8 import mxfp8_quantize_torch
+
+    c = Case(3, 64, 64, 4, 2)
+    _method, layer = build_layer(c, "cpu", seed=4)
+    g = torch.Generator().manual_seed(5)
+    q, s = mxfp8_quantize_torch(torch.randn(c.m, c.hidden, generator=g))
+    logits = torch.randn(c.m, c.experts, generator=g).bfloat16()
+    args = (q, s, logits, layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_bias.data,
+            layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_bias.data, c.topk)
+    # test_faketensor only: SchemaCheckMode compares inputs with an op that has no CPU e4m3 kernel.
+    torch.library.opcheck(torch.ops.sm121.gpt_oss_moe_mxfp8.default, args, test_utils=("test_faketensor",))
+
+
+def test_shim_installs_once_and_respects_another_block_cls(env, monkeypatch):
+    from vllm_sm121.moe.hook import Sm121GptOssBlock
+
+    gpt_oss = env.gpt_oss
+    monkeypatch.setattr(gpt_oss.GptOssModel, "block_cls", gpt_oss.TransformerBlock)
+    compat._install_gpt_oss_block(gpt_oss)
+    compat._install_gpt_oss_block(gpt_oss)
+    assert gpt_oss.GptOssModel.block_cls is Sm121GptOssBlock
+
+    class Theirs(gpt_oss.TransformerBlock):
+        pass
+
+    monkeypatch.setattr(gpt_oss.GptOssModel, "block_cls", Theirs)
+    compat._install_gpt_oss_block(gpt_oss)
+    assert gpt_oss.GptOssModel.block_cls is Theirs
+    assert any(s.patch == "0004-gpt-oss-fused-norm-mxfp8-moe-hook.patch" for s in compat.SHIMS)
+
+
+def test_hook_is_installed_only_through_moe_register(monkeypatch):
+    """While READY is False the general plugin never calls moe.register(), hence never the shim."""
+    import vllm_sm121
+
+    calls = []
+    monkeypatch.setattr(compat, "register_gpt_oss_fused_moe_block", lambda: calls.append(1))
+    monkeypatch.setattr(moe, "READY", False)
+    vllm_sm121._features()
+    assert calls == []
+    monkeypatch.setattr(moe, "READY", True)
+    vllm_sm121._features()
+    assert calls == [1]

@@ -1,0 +1,191 @@
+"""Model-level hook for gpt-oss: the post-attention add+RMSNorm emits MXFP8 straight into the experts.
+
+Architecture
+    ``Sm121GptOssBlock`` subclasses vLLM's gpt-oss ``TransformerBlock`` and is installed as
+    ``GptOssModel.block_cls`` (the documented override point; shim ``compat.register_gpt_oss_fused_moe_block``,
+    upstream proposal ``patches/vllm/0004-gpt-oss-fused-norm-mxfp8-moe-hook.patch``). After the
+    upstream constructor ran, it decides once per layer (``fused_moe_unsupported_reason``) whether
+    its experts run ``Sm121Mxfp4MoEMethod`` in a configuration the fused path covers. If so,
+    ``forward`` runs attention as upstream, then ``hooked_mlp_forward``:
+
+        sm121::add_rmsnorm_mxfp8  residual += x; y = rmsnorm(residual) * w  -> y bf16 (router),
+                                  y MXFP8 (e4m3 values + e8m0 scale per 32, experts); one kernel
+        router                    upstream's bf16 ReplicatedLinear on y
+        sm121::gpt_oss_moe_mxfp8  ``kernels.moe.moe_block`` on the MXFP8 activations (routing,
+                                  FC1+SwiGLU, FC2+combine; no quantization kernel in between)
+
+    Otherwise ``forward`` is upstream's (``super().forward``), so installing the class changes
+    nothing for layers on any other MoE method.
+
+    Both ops are torch custom ops (``direct_register_custom_op``, library ``sm121``) with fake
+    implementations, taking the weights as tensor arguments, so vLLM's torch.compile and
+    piecewise/full CUDA graphs trace them; outputs are allocated from input shapes only.
+    ``add_rmsnorm_mxfp8`` updates ``residual`` in place (declared as mutated), as vLLM's own
+    ``fused_add_rms_norm`` does.
+
+Constraints
+    The fused path needs TP = DP = PCP = EP = 1 and no sequence-parallel MoE (no token
+    dispatch/combine and no all-reduce around the experts), no LoRA, no batch-invariant mode,
+    bf16 activations, not ROCm (upstream's router uses a ROCm-only GEMM there), and upstream's
+    ``MLPBlock``/``RMSNorm`` forward (no subclass overriding them). Any other configuration falls
+    back to upstream's block (``super().forward``); ``Sm121Mxfp4MoEMethod`` then still runs the
+    experts through vLLM's ``moe_forward`` op from bf16.
+
+Limitations
+    The decision is taken at construction: later replacements of the experts' quant method
+    (EPLB, MoE LoRA) are excluded by the checks above rather than detected. Gated with the rest of
+    the MoE (``vllm_sm121.moe.READY``). Not run on a GPU yet.
+
+upstream file: ``vllm/model_executor/models/gpt_oss.py`` (``TransformerBlock``, ``MLPBlock``,
+``GptOssModel.block_cls``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import Library
+from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
+
+LIBRARY = "sm121"
+_lib = Library(LIBRARY, "FRAGMENT")  # keeps the ops alive for the process' lifetime
+
+
+# ---- custom ops ------------------------------------------------------------------------------
+
+def _add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from vllm_sm121.kernels.norm_mxfp8 import fused_add_rmsnorm_mxfp8
+
+    return fused_add_rmsnorm_mxfp8(x, residual, weight, eps)
+
+
+def _add_rmsnorm_mxfp8_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, h = x.shape
+    return (torch.empty_like(x), torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty(t, h // 32, dtype=torch.uint8, device=x.device))
+
+
+def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                       w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                       w2_bias: torch.Tensor, topk: int) -> torch.Tensor:
+    from vllm_sm121.kernels.moe import moe_block
+
+    return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
+                     x_scale=x_scale)
+
+
+def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                            w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                            w2_bias: torch.Tensor, topk: int) -> torch.Tensor:
+    return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
+
+
+def _register_ops() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, mutates_args=["residual"],
+                              fake_impl=_add_rmsnorm_mxfp8_fake, target_lib=_lib)
+    direct_register_custom_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, fake_impl=_gpt_oss_moe_mxfp8_fake,
+                              target_lib=_lib)
+
+
+_register_ops()  # once per process (module import); the dispatch key is the current platform's
+
+
+def add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(y bf16 [T, H], e4m3 [T, H], e8m0 [T, H/32]); ``residual += x`` in place."""
+    return torch.ops.sm121.add_rmsnorm_mxfp8(x, residual, weight, eps)
+
+
+def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias,
+                      topk: int) -> torch.Tensor:
+    """bf16 [T, H]: gpt-oss routed experts on MXFP8 activations (``kernels.moe.moe_block``)."""
+    return torch.ops.sm121.gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
+                                             w2_bias, topk)
+
+
+# ---- the block -------------------------------------------------------------------------------
+
+def routed_experts_of(mlp: torch.nn.Module):
+    """The RoutedExperts layer (weights + quant method) behind ``MLPBlock.experts`` (a MoERunner)."""
+    experts = getattr(mlp, "experts", None)
+    return getattr(experts, "routed_experts", None)
+
+
+def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
+                       mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's ``post_attention_layernorm(h, residual)`` + ``mlp(h)``, with the norm emitting MXFP8
+    for the experts: returns (MoE output bf16 [T, H], the updated residual)."""
+    y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
+    router_logits = mlp.router(y)
+    e = routed_experts_of(mlp)
+    out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
+                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk)
+    return out, residual
+
+
+def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | None:
+    """Why this block cannot take the fused norm->MXFP8->MoE path (None: it can)."""
+    from vllm import envs
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.platforms import current_platform
+
+    from .method import Sm121Mxfp4MoEMethod
+
+    mlp, norm = block.mlp, block.post_attention_layernorm
+    experts = routed_experts_of(mlp)
+    if experts is None or not isinstance(getattr(experts, "quant_method", None), Sm121Mxfp4MoEMethod):
+        return "experts not on Sm121Mxfp4MoEMethod"
+    par = experts.moe_config.moe_parallel_config
+    runner = mlp.experts
+    checks = (
+        (type(mlp).forward is not MLPBlock.forward, f"MLP {type(mlp).__name__} overrides forward"),
+        (not isinstance(norm, RMSNorm) or type(norm).forward_native is not RMSNorm.forward_native
+         or not norm.has_weight or norm.variance_size_override is not None,
+         "post-attention norm is not upstream's weighted RMSNorm"),
+        (getattr(mlp, "is_sequence_parallel", False), "sequence-parallel MoE"),
+        (par.tp_size != 1 or par.dp_size != 1 or par.pcp_size != 1 or par.ep_size != 1 or par.use_ep,
+         f"parallel MoE (tp={par.tp_size}, dp={par.dp_size}, pcp={par.pcp_size}, ep={par.ep_size})"),
+        (getattr(vllm_config, "lora_config", None) is not None, "LoRA"),
+        (envs.VLLM_BATCH_INVARIANT, "VLLM_BATCH_INVARIANT"),
+        (current_platform.is_rocm(), "ROCm"),
+        (getattr(runner, "shared_experts", None) is not None or getattr(runner, "gate", None) is not None,
+         "shared experts or a runner-held gate"),
+        (getattr(getattr(vllm_config, "model_config", None), "dtype", torch.bfloat16) != torch.bfloat16,
+         "activations not bf16"),
+        (experts.w2_weight.shape[1] != norm.weight.shape[0], "padded hidden size"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+class Sm121GptOssBlock(TransformerBlock):
+    """gpt-oss ``TransformerBlock`` whose post-attention norm feeds MXFP8 to ``Sm121Mxfp4MoEMethod``."""
+
+    def __init__(self, vllm_config, quant_config, prefix: str = ""):
+        super().__init__(vllm_config, quant_config, prefix=prefix)
+        reason = fused_moe_unsupported_reason(self, vllm_config)
+        self.sm121_fused_moe = reason is None  # decided once; forward branches on this constant
+        if reason is not None and routed_experts_of(self.mlp) is not None and reason != (
+                "experts not on Sm121Mxfp4MoEMethod"):
+            from vllm.logger import init_logger
+
+            init_logger("vllm.sm121").warning_once(
+                "gpt-oss MoE: the fused norm->MXFP8 path is off (%s); the experts quantize bf16 inputs", reason)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.sm121_fused_moe:
+            return super().forward(hidden_states, positions, residual)
+        # Self attention: exactly upstream's.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.attn(hidden_states, positions)
+        # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8.
+        return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp)
