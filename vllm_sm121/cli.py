@@ -55,7 +55,7 @@ def _plugin_loaded() -> tuple[bool, str]:
 
 
 def diagnose() -> dict:
-    from vllm_sm121 import __version__, platform
+    from vllm_sm121 import __version__, moe, platform
 
     gpu = _gpu()
     loaded, how = _plugin_loaded()
@@ -79,7 +79,9 @@ def diagnose() -> dict:
         "SM121 attention backend (--attention-backend SM121)": (backend_ok, backend_why),
         "fp8 KV cache (--kv-cache-dtype fp8 with SM121)": (backend_ok, backend_why),
         "nvfp4 KV cache (--kv-cache-dtype nvfp4 with SM121)": (backend_ok, backend_why),
-        "MXFP4 MoE with MXFP8 activations": (False, not_yet),
+        "MXFP4 MoE with MXFP8 activations": (backend_ok, backend_why) if moe.READY else (
+            False, "built but gated off (vllm_sm121.moe.READY is False): not yet faster than vLLM's MoE; "
+                   "see README feature table"),
         "whole-model CUDA graph mode": (False, not_yet),
         "FP8 dense weights": (False, not_yet),
     }
