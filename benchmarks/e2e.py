@@ -194,7 +194,9 @@ KV_BYTES_PER_ELEM = {
     "fp8": 1.0,
     "nvfp4": 0.5625,
 }  # nvfp4: (D/2 + D/16) / D
-DENSE_BYTES_PER_PARAM = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 4.25 / 8}
+DENSE_BYTES_PER_PARAM = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 4.25 / 8}  # mxfp4: 0.5 + one e8m0 per 32
+# fp8 (vllm_sm121/dense/): one fp32 scale per output channel (row) of qkv / o / lm_head
+DENSE_BYTES_PER_ROW = {"bf16": 0.0, "fp8": 4.0, "mxfp4": 0.0}
 MXFP4_BYTES_PER_PARAM = (
     4.25 / 8
 )  # e2m1 (4 bits) + one e8m0 scale (8 bits) per 32 values
@@ -251,10 +253,11 @@ def decode_bytes(
         raise ValueError(f"batch and ctx must be >= 1, got {batch}, {ctx}")
     layers, h, hd = s["layers"], s["hidden"], s["head_dim"]
     nq, nkv, n_exp, inter = s["q_heads"], s["kv_heads"], s["experts"], s["intermediate"]
-    dense_b = DENSE_BYTES_PER_PARAM[dense]
+    dense_b, row_b = DENSE_BYTES_PER_PARAM[dense], DENSE_BYTES_PER_ROW[dense]
     qkv_out = (nq + 2 * nkv) * hd
     attn = layers * (
         (h * qkv_out + nq * hd * h) * dense_b  # qkv_proj, o_proj weights
+        + (qkv_out + h) * row_b  # their per-output-channel scales (fp8)
         + (qkv_out + h) * 2  # their bf16 biases
         + nq * 4  # fp32 sinks
     )
@@ -265,7 +268,7 @@ def decode_bytes(
     distinct = expected_distinct_experts(n_exp, s["top_k"], batch)
     experts = layers * distinct * per_expert
     norms = (2 * layers + 1) * h * 2
-    lm_head = s["vocab"] * h * dense_b
+    lm_head = s["vocab"] * (h * dense_b + row_b)
     embed = batch * h * 2
     window = s["window"]
     sliding_ctx = min(ctx, int(window)) if window else ctx
@@ -1027,6 +1030,44 @@ def print_bytes_table(m: ModelPlan) -> None:
     print(
         f"(GB10 max = {GB10_BANDWIDTH_GBPS:.0f} GB/s / GB per token, i.e. 100% of its bandwidth)"
     )
+    rows = dense_what_if(m)
+    if rows:
+        r0 = rows[0]
+        print(
+            f"\ndense weight formats (qkv / o / lm_head; router bf16), batch {r0['batch']}, ctx {r0['ctx']}, "
+            f"kv {r0['kv_dtype']} -- computed only: fp8 / mxfp4 are not runnable configurations yet"
+        )
+        for r in rows:
+            print(
+                f"  {r['dense_weights']:<6} attn+rtr {(r['attention_proj'] + r['router']) / gb:6.3f}  "
+                f"lm_head {r['lm_head'] / gb:6.3f}  GB/token {r['per_token'] / gb:6.3f}  "
+                f"GB10 max tok/s {r['gb10_ceiling_tok_s']:6.1f}"
+            )
+
+
+def dense_what_if(m: ModelPlan) -> list[dict]:
+    """decode_bytes of the model's first batch-1 decode point (else its first decode point)
+    for every dense weight format (issue 8: <= 3.6 GB/token for gpt-oss-120b with fp8)."""
+    pts = [
+        (Point(**p), run["llm_kwargs"])
+        for run in m.runs
+        for p in run["points"]
+        if p.get("kind") == "tg"
+    ]
+    if not pts:
+        return []
+    pt, kw = min(pts, key=lambda t: t[0].batch != 1)
+    try:
+        kv = kv_kind(kw.get("kv_cache_dtype"))
+        return [
+            {
+                **(b := decode_bytes(m.hf_config, batch=pt.batch, ctx=pt.decode_ctx, kv=kv, dense=d)),
+                "gb10_ceiling_tok_s": GB10_BANDWIDTH_GBPS * 1e9 / b["per_token"],
+            }
+            for d in DENSE_BYTES_PER_PARAM
+        ]
+    except ValueError:
+        return []
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -1389,6 +1430,7 @@ def _model_entry(m: ModelPlan) -> dict:
         "hf_config": m.hf_config,
         "shape": model_shape(m.hf_config),
         "bytes_table": bytes_table(m),
+        "dense_weights_what_if": dense_what_if(m),
         "runs": [{"plan": run, "config": run["config"]} for run in m.runs],
     }
 

@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from vllm_sm121 import platform as _platform
 
+from .dense_details._dense import _dense_fp8_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
@@ -210,9 +211,28 @@ def moe_specs(family: str) -> list[Spec]:
     return specs
 
 
+def dense_specs(family: str) -> list[Spec]:
+    """FP8-weight dense linears at gpt-oss-120b shapes (qkv K2880, o K4096, lm_head K2880), decode
+    and prefill tiles of ``kernels/dense.py`` (GPU path: bf16 tl.dot, DOT_FP32 off)."""
+    from . import dense as D
+
+    ptrs = dict(x_ptr="*bf16", w_ptr="*u8", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16")
+    decode = dict(BLOCK_M=D.DECODE_BLOCK_M, BLOCK_N=D.DECODE_BLOCK_N, BLOCK_K=D.DECODE_BLOCK_K, DOT_FP32=False)
+    prefill = dict(BLOCK_M=D.PREFILL_BLOCK_M, BLOCK_N=D.PREFILL_BLOCK_N, BLOCK_K=D.PREFILL_BLOCK_K, DOT_FP32=False)
+    specs = []
+    for what, k, bias in (("qkv", 2880, True), ("o", 4096, True), ("lm_head", 2880, False)):
+        specs.append(Spec(name=f"dense_fp8[{what} K{k}, decode]", fn=_dense_fp8_kernel,
+                          constexprs=dict(decode, K=k, HAS_BIAS=bias), ptr_types=ptrs,
+                          num_warps=D.DECODE_NUM_WARPS, num_stages=D.DECODE_NUM_STAGES))
+    specs.append(Spec(name="dense_fp8[qkv K2880, prefill]", fn=_dense_fp8_kernel,
+                      constexprs=dict(prefill, K=2880, HAS_BIAS=True), ptr_types=ptrs,
+                      num_warps=D.PREFILL_NUM_WARPS, num_stages=D.PREFILL_NUM_STAGES))
+    return specs
+
+
 def all_specs(family: str) -> list[Spec]:
     return (attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
-            + moe_specs(family))
+            + moe_specs(family) + dense_specs(family))
 
 
 def compile_spec(spec: Spec, arch: int) -> Result:

@@ -1,0 +1,93 @@
+"""The FP8 dense linear methods on CPU: weights as upstream, conversion after loading, apply, routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close
+
+from vllm_sm121.config import Sm121Config
+from vllm_sm121.dense import method as M
+from vllm_sm121.kernels.dense import dense_fp8_linear_torch
+
+
+class FakeLinear(torch.nn.Module):
+    """A LinearBase-shaped layer: bf16 ``weight`` [N, K] (+ bias) and a quant method."""
+
+    def __init__(self, n: int, k: int, quant_method):
+        super().__init__()
+        self.quant_method = quant_method
+        self.register_parameter("weight", torch.nn.Parameter(torch.randn(n, k).bfloat16(), requires_grad=False))
+
+    def forward(self, x, bias=None):
+        return self.quant_method.apply(self, x, bias)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("method_cls", [M.Sm121DenseFp8LinearMethod, M.Sm121DenseFp8LMHeadMethod])
+def test_process_weights_after_loading_then_apply(method_cls):
+    torch.manual_seed(0)
+    layer = FakeLinear(40, 64, method_cls())
+    w_bf16 = layer.weight.detach().clone()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape == (40, 64)
+    assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == (40,)
+    assert not layer.weight.requires_grad
+    assert [n for n, p in layer.named_parameters() if p.dtype == torch.bfloat16] == []  # bf16 copy freed
+    layer.quant_method.process_weights_after_loading(layer)  # idempotent
+    x = torch.randn(2, 3, 64).bfloat16()
+    bias = torch.randn(40).bfloat16()
+    out = layer(x, bias)
+    assert out.shape == (2, 3, 40) and out.dtype == torch.bfloat16
+    ref = dense_fp8_linear_torch(x.view(6, 64), layer.weight, layer.weight_scale, bias).view(2, 3, 40)
+    assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    # weight error vs the bf16 layer stays at e4m3's level
+    rel = ((out.float() - (x.float() @ w_bf16.float().T + bias.float())).norm() / ref.norm()).item()
+    assert rel < 0.05, rel
+
+
+def test_create_weights_is_upstreams(monkeypatch):
+    import vllm.model_executor.parameter as P
+
+    monkeypatch.setattr(P, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(P, "get_tensor_model_parallel_world_size", lambda: 1)
+    layer = torch.nn.Module()
+    loader = lambda param, w: param.data.copy_(w)  # noqa: E731
+    M.Sm121DenseFp8LinearMethod().create_weights(layer, 64, [32, 16, 16], 64, 64, torch.bfloat16,
+                                                 weight_loader=loader)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.shape == (64, 64)
+    assert layer.weight.weight_loader is loader
+    head = torch.nn.Module()
+    M.Sm121DenseFp8LMHeadMethod().create_weights(head, 64, [128], 64, 128, torch.bfloat16, weight_loader=loader)
+    assert head.weight.shape == (128, 64) and head.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="tied"):
+        M.Sm121DenseFp8LMHeadMethod().embedding(head, torch.zeros(1, dtype=torch.long))
+
+
+def _bare(cls):
+    return cls.__new__(cls)  # isinstance is all the routing looks at (no TP group needed)
+
+
+def test_dense_quant_method_for():
+    from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    fp8, bf16 = Sm121Config(dense_weights="fp8"), Sm121Config()
+    qkv, o = _bare(QKVParallelLinear), _bare(RowParallelLinear)
+    head, router = _bare(ParallelLMHead), _bare(ReplicatedLinear)
+    assert isinstance(M.dense_quant_method_for(qkv, "model.layers.0.attn.qkv_proj", fp8), M.Sm121DenseFp8LinearMethod)
+    assert isinstance(M.dense_quant_method_for(o, "model.layers.3.attn.o_proj", fp8), M.Sm121DenseFp8LinearMethod)
+    assert isinstance(M.dense_quant_method_for(head, "lm_head", fp8), M.Sm121DenseFp8LMHeadMethod)
+    assert M.dense_quant_method_for(router, "model.layers.0.mlp.router", fp8) is None
+    assert M.dense_quant_method_for(_bare(VocabParallelEmbedding), "model.embedding", fp8) is None
+    assert M.dense_quant_method_for(head, "model.drafter.head", fp8) is None
+    for layer, prefix in ((qkv, "x.qkv_proj"), (o, "x.o_proj"), (head, "lm_head")):
+        assert M.dense_quant_method_for(layer, prefix, bf16) is None
+
+
+def test_option_stays_refused():
+    from vllm_sm121 import config
+
+    assert config.OPTIONS["dense_weights"].implemented == ("bf16",)
+    with pytest.raises(ValueError, match="not implemented"):
+        config.parse({"sm121": {"dense_weights": "fp8"}})

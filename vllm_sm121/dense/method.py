@@ -1,0 +1,136 @@
+"""vLLM linear methods running gpt-oss's dense projections with FP8 (e4m3, per-output-channel) weights.
+
+Architecture
+    Weight creation and loading are upstream's (``UnquantizedLinearMethod`` /
+    ``UnquantizedEmbeddingMethod``: one bf16 [N, K] parameter), so checkpoints and dummy loading
+    are unchanged. ``process_weights_after_loading`` replaces ``layer.weight`` by its e4m3 codes
+    ([N, K], 1 byte per parameter) and registers ``layer.weight_scale`` (fp32 [N]); the bf16
+    parameter is dropped. ``apply`` flattens the leading dimensions and calls the
+    ``sm121::dense_fp8_linear`` custom op (fake implementation: shape only), so vLLM's
+    torch.compile and CUDA graphs trace it like the MoE ops.
+
+Constraints
+    in_features a multiple of 16 (gpt-oss: 2880 and 4096). Tensor parallelism works as upstream
+    (each rank converts its own shard; scales are per row). Activations are bf16.
+
+Limitations
+    Not wired into vLLM's config path: ``config.OPTIONS["dense_weights"]`` implements only
+    "bf16" until the kernels have been run on a GPU (``vllm_sm121/dense/__init__.py`` says
+    where the hooks go). No "mxfp4" method yet.
+
+upstream file: ``vllm/model_executor/layers/quantization/fp8.py`` (``Fp8LinearMethod``: weights
+quantized after loading when the checkpoint is not fp8).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import Library
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+LIBRARY = "sm121"
+_lib = Library(LIBRARY, "FRAGMENT")
+
+# Layers of gpt-oss converted when dense_weights == "fp8" (the router stays bf16).
+LINEAR_LAYERS = ("qkv_proj", "o_proj")
+LM_HEAD = "lm_head"
+
+
+# ---- custom op -------------------------------------------------------------------------------
+
+def _dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    from vllm_sm121.kernels.dense import dense_fp8_linear
+
+    return dense_fp8_linear(x, w, scale, bias)
+
+
+def _dense_fp8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
+
+
+def _register_ops() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("dense_fp8_linear", _dense_fp8_linear, fake_impl=_dense_fp8_linear_fake,
+                              target_lib=_lib)
+
+
+_register_ops()  # once per process (module import)
+
+
+def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [..., N] = x [..., K] @ (w e4m3 [N, K] * scale [N])^T + bias."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.ops.sm121.dense_fp8_linear(x2, w, scale, bias)
+    return out.reshape(*lead, w.shape[0])
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+def convert_layer_weight_(layer: torch.nn.Module) -> None:
+    """bf16 ``layer.weight`` [N, K] -> e4m3 ``layer.weight`` + fp32 ``layer.weight_scale`` [N] (in place)."""
+    from vllm_sm121.kernels.dense import fp8_per_channel_quantize
+
+    w = layer.weight
+    if w.dtype == torch.float8_e4m3fn and hasattr(layer, "weight_scale"):
+        return  # converted already (process_weights_after_loading may run again on a reload)
+    codes, scale = fp8_per_channel_quantize(w.data)
+    del layer.weight  # drop the bf16 parameter (and its storage once nothing else holds it)
+    layer.register_parameter("weight", torch.nn.Parameter(codes, requires_grad=False))
+    layer.register_parameter("weight_scale", torch.nn.Parameter(scale, requires_grad=False))
+
+
+class Sm121DenseFp8LinearMethod(LinearMethodBase):
+    """qkv_proj / o_proj: bf16 weights loaded as upstream, run as FP8 per-channel."""
+
+    def __init__(self):
+        self._bf16 = UnquantizedLinearMethod()
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        self._bf16.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                                  params_dtype, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        convert_layer_weight_(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return dense_fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+
+class Sm121DenseFp8LMHeadMethod(UnquantizedEmbeddingMethod):
+    """lm_head (``ParallelLMHead``): upstream's embedding-method weights, FP8 projection.
+
+    ``embedding`` is not supported (an untied head never embeds); ``LogitsProcessor`` calls
+    ``apply``. Padded vocabulary rows are zeros: scale 1, zero logits, as upstream.
+    """
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        convert_layer_weight_(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return dense_fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the FP8 lm_head cannot embed tokens (tied embeddings are not supported with "
+                         '"dense_weights": "fp8")')
+
+
+def dense_quant_method_for(layer: torch.nn.Module, prefix: str, sm121_cfg):
+    """Our method for gpt-oss's qkv_proj / o_proj (``LinearBase``) and lm_head (``ParallelLMHead``)
+    when ``sm121_cfg.dense_weights == "fp8"``; None (upstream decides) for every other layer or format."""
+    if getattr(sm121_cfg, "dense_weights", "bf16") != "fp8":
+        return None
+    name = prefix.rsplit(".", 1)[-1]
+    if isinstance(layer, ParallelLMHead):
+        return Sm121DenseFp8LMHeadMethod() if name == LM_HEAD else None
+    if isinstance(layer, LinearBase) and name in LINEAR_LAYERS:
+        return Sm121DenseFp8LinearMethod()
+    return None
