@@ -57,9 +57,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import datetime
-import importlib.metadata
 import json
 import os
 import random
@@ -73,6 +71,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import _short_error, _version, _write_json, deep_merge  # noqa: E402  (benchmarks/e2e.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO_ROOT / "models"
@@ -94,38 +95,6 @@ LOG_PREFIX = "[eagle_cost]"
 # ---------------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _short_error(e: BaseException) -> str:
-    msg = " ".join(f"{type(e).__name__}: {e}".split())
-    return msg if len(msg) <= 600 else msg[:597] + "..."
-
-
-def _write_json(path: str | Path, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    """``over`` into a copy of ``base``: dicts recursively, ``None`` deletes the key."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def git_info() -> dict:
