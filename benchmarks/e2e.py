@@ -751,6 +751,33 @@ def kv_capacity_tokens(line: str) -> int | None:
     return int(m.group(1).replace(",", "")) if m else None
 
 
+def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, bool]:
+    """Wait for a child started with ``start_new_session=True``; past ``timeout_s`` kill its
+    whole process group (SIGTERM, then SIGKILL). Always reaps group leftovers (an engine core
+    whose parent died). Returns (returncode, timed_out)."""
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=20)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        rc = proc.returncode
+    try:  # leftovers of its group: ours, by group id
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return rc, timed_out
+
+
 def run_child(
     spec: dict, log_path: Path | None, timeout_s: float, verbose: bool
 ) -> dict:
@@ -805,26 +832,7 @@ def run_child(
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=20)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            rc = proc.returncode
-        try:  # leftovers of its group (an engine core whose parent died): ours, by group id
-            os.killpg(proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+        rc, timed_out = wait_or_kill(proc, timeout_s)
         reader.join(timeout=10)
         if logf:
             logf.close()

@@ -62,7 +62,6 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import _short_error, _version, _write_json, deep_merge  # noqa: E402  (benchmarks/e2e.py)
+from e2e import _short_error, _version, _write_json, deep_merge, wait_or_kill  # noqa: E402  (benchmarks/e2e.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO_ROOT / "models"
@@ -488,25 +487,7 @@ def run_child(spec: dict, log_path: Path, timeout_s: float, verbose: bool) -> di
 
             reader = threading.Thread(target=pump, daemon=True)
             reader.start()
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.killpg(proc.pid, sig)
-                        proc.wait(timeout=20)
-                        break
-                    except ProcessLookupError:
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
-                rc = proc.returncode
-            try:  # leftovers of its process group (an orphaned engine core)
-                os.killpg(proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+            rc, timed_out = wait_or_kill(proc, timeout_s)
             reader.join(timeout=10)
         try:
             res = json.loads(rp.read_text())
