@@ -226,7 +226,7 @@ def test_torch_compile_fullgraph_no_graph_breaks():
 
 
 def test_no_host_sync_calls_in_sampling_path():
-    path = [gs._mul32, gs._mix32, gs._row_keys, gs.uniforms, gs._top_k_top_p_keep, gs.sample,
+    path = [gs._mul32, gs._mix32, gs._row_keys, gs.uniforms, gs._apply_top_k_top_p, gs.sample,
             SamplingTensors.rows]
     for fn in path:
         src = inspect.getsource(fn)
@@ -276,14 +276,11 @@ def test_fill_accepts_vllm_sampling_params():
         fill_sampling_tensors(st, [SamplingParams(min_p=0.2)], 1000)
 
 
-def test_filter_mask_equals_vllm_pytorch_top_k_top_p():
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
-
+def test_top_k_off_values_map_to_vocab_size():
+    """0, negative and >= V top-k values mean "off" (vLLM stores V): nothing is filtered."""
     torch.manual_seed(8)
-    B, V = 16, 300
-    logits = torch.randn(B, V) * 2
-    k = torch.tensor([V, 1, 5, 50, V, 299, 10, V] * 2, dtype=torch.int32)
-    p = torch.tensor([1.0, 0.5, 1.0, 0.9, 0.3, 0.99, 0.7, 0.05] * 2)
-    ours = gs._top_k_top_p_keep(logits, k, p)
-    theirs = apply_top_k_top_p_pytorch(logits.clone(), k, p) > float("-inf")
-    assert torch.equal(ours, theirs)
+    logits = torch.randn(3, 50)
+    out = gs._apply_top_k_top_p(logits.clone(), torch.tensor([0, -1, 80], dtype=torch.int32), torch.ones(3))
+    assert torch.equal(out, logits)
+    out = gs._apply_top_k_top_p(logits.clone(), torch.tensor([1, 1, 1], dtype=torch.int32), torch.ones(3))
+    assert torch.equal(torch.isfinite(out).sum(1), torch.ones(3, dtype=torch.long))

@@ -23,9 +23,8 @@ Semantics (checked against ``vllm/v1/sample/sampler.py`` and
 * top-p: ``1.0`` means off. Computed on the top-k-filtered distribution: sort
   ascending, fp32 softmax, cumulative sum, drop tokens whose cumulative mass
   is ``<= 1 - p``, always keep the largest token. That keeps the smallest set
-  of most likely tokens whose mass is ``>= p``. Tokens tied at the boundary
-  are ordered by index here (stable sort); vLLM's unstable sort / Triton
-  kernel may pick a different subset of tied tokens.
+  of most likely tokens whose mass is ``>= p``. Both filters are vLLM's own
+  ``apply_top_k_top_p_pytorch`` (its tie handling included).
 * random draw: ``argmax(filtered_logits - log(E))`` with ``E ~ Exp(1)``,
   the same exponential race vLLM uses (``argmax(probs / E)``), done in the
   log domain (no softmax needed, no underflow for unlikely tokens).
@@ -43,7 +42,7 @@ seed when their row is filled (:func:`fill_sampling_tensors`). Seeded tokens
 are reproducible across runs of *this* sampler but are NOT the same tokens
 vLLM's stock sampler gives for the same seed (different generator).
 
-Cost. Top-k/top-p sort the whole row (``torch.sort``, stable, fp32 keys with
+Cost. Top-k/top-p sort the whole row (``torch.sort``, fp32 keys with
 int64 values) plus a softmax, cumsum and scatter over ``[B, V]``; for gpt-oss
 (``V = 201088``) that is the dominant cost of this sampler and it grows
 linearly with ``B``. Pass ``apply_top_k_top_p=False`` (a static, capture-time
@@ -284,24 +283,17 @@ def fill_sampling_tensors(
 # --------------------------------------------------------------------------
 
 
-def _top_k_top_p_keep(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Boolean [B, V] mask of tokens surviving top-k then top-p (vLLM's rules)."""
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p on ``scaled`` [B, V] (in place, dropped tokens -> -inf) with vLLM's own
+    ``apply_top_k_top_p_pytorch`` (sort/gather/cumsum/scatter only: graph-safe without its
+    ``allow_cpu_sync`` shortcut). Rows with top-k off (0, negative or >= V) get ``V``, as vLLM
+    stores them."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
     vocab = scaled.shape[1]
     k = top_k.to(torch.int64)
     k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
-    sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=False, stable=True)
-    kth = sorted_vals.gather(1, (vocab - k).unsqueeze(1))  # k-th largest value
-    keep_k_sorted = sorted_vals >= kth
-    masked = sorted_vals.masked_fill(~keep_k_sorted, float("-inf"))
-    probs = masked.softmax(dim=-1, dtype=torch.float32)
-    cum = torch.cumsum(probs, dim=-1)
-    drop_p = cum <= (1 - top_p.to(torch.float32)).unsqueeze(1)
-    not_last = torch.arange(vocab, device=scaled.device) < (vocab - 1)
-    drop_p = drop_p & not_last.unsqueeze(0)  # always keep the most likely token
-    keep_sorted = keep_k_sorted & ~drop_p
-    return torch.zeros_like(keep_sorted).scatter(1, sorted_idx, keep_sorted)
+    return apply_top_k_top_p_pytorch(scaled, k, top_p.to(torch.float32), allow_cpu_sync=False)
 
 
 def sample(
@@ -330,8 +322,7 @@ def sample(
     temp = torch.where(is_greedy, torch.ones_like(p.temperature), p.temperature)
     scaled = x / temp.unsqueeze(1)
     if apply_top_k_top_p:
-        keep = _top_k_top_p_keep(scaled, p.top_k, p.top_p)
-        scaled = scaled.masked_fill(~keep, float("-inf"))
+        scaled = _apply_top_k_top_p(scaled, p.top_k, p.top_p)
     u = uniforms(p.seed, p.step, vocab)
     neg_log_e = -torch.log(-torch.log(u))  # Gumbel noise: -log(E), E = -log(u) ~ Exp(1)
     random_tok = torch.argmax(scaled + neg_log_e, dim=-1)
