@@ -81,7 +81,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         self._g: torch.Tensor | None = None
         self._g_done: torch.Tensor | None = None
         self._calibrating = self._nvfp4
-        self._pages_key: tuple | None = None
+        self._pages_src: torch.Tensor | None = None
         self._pages: tuple[Nvfp4Pages, Nvfp4Pages] | None = None
         fault = envs.VLLM_SM121_FAULT
         if fault:
@@ -111,8 +111,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
 
     def _nvfp4_pages(self, kv_cache: torch.Tensor) -> tuple[Nvfp4Pages, Nvfp4Pages]:
         """K and V page views of the uint8 cache ``[num_blocks, 2, page_side_bytes]`` (cached)."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
-        if key != self._pages_key:
+        if kv_cache is not self._pages_src:  # vLLM binds one cache tensor per layer: built once
             if self._g is None:
                 self._g = torch.full((2,), default_global_scale(), dtype=torch.float32, device=kv_cache.device)
                 self._g_done = torch.zeros(2, dtype=torch.bool, device=kv_cache.device)
@@ -126,7 +125,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
                                  f"({per_token} bytes each)")
             self._pages = tuple(Nvfp4Pages.view(kv_cache[:, i], self.num_kv_heads, block_size, self.head_size,
                                                 self._g[i:i + 1]) for i in (0, 1))
-            self._pages_key = key
+            self._pages_src = kv_cache
         return self._pages
 
     def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
