@@ -1,11 +1,11 @@
-"""Sweep decode tiles (and the nvfp4 in-kernel decode variant) for quantized KV caches on this GPU.
+"""Sweep decode tiles (and the nvfp4 page-load variant) for quantized KV caches on this GPU.
 
 For gpt-oss decode (64 q / 8 KV heads, head_dim 64, sinks, full attention) at a few batch/context
 points, times SM121's paged attention with bf16, fp8 and nvfp4 pages over a small tile grid
-and variants: for nvfp4 the in-kernel decode (``NVFP4_HALVES``, ``NVFP4_VEC``), for bf16/fp8
-the K load (``K_ROWS``: [TILE_N, D] rows transposed in registers, or [D, TILE_N] gathered); prints µs, KV bytes read
+and, for nvfp4, the page loads (``NVFP4_VEC``: contiguous rows transposed in registers, or
+strided gathers); prints µs, KV bytes read
 and % of the copy bandwidth measured in the same run, the best per (kv dtype, point), and the
-speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_HALVES``.
+speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_VEC``.
 
     python benchmarks/tune_kv.py [--out tune_kv.json] [--quick]
 """
@@ -82,12 +82,8 @@ def main(argv=None) -> int:
         for kv in ("bf16", "fp8", "nvfp4"):
             inputs, elem = _pages(kv, base)
             kv_bytes = 2 * batch * ctx * HKV * D * elem
-            for tile, variant in itertools.product(tiles, ("halves", "halves-vec", "rows") if kv == "nvfp4"
-                                                   else (True, False)):
-                if kv == "nvfp4":
-                    pa.NVFP4_HALVES, pa.NVFP4_VEC = variant != "rows", variant == "halves-vec"
-                else:
-                    pa.K_ROWS[kv] = variant
+            for tile, variant in itertools.product(tiles, ("gather", "vec") if kv == "nvfp4" else ("-",)):
+                pa.NVFP4_VEC = variant == "vec"
                 fn = lambda: paged_attention(**inputs, tile=tile, num_splits=splits)  # noqa: E731
                 try:
                     fn()
@@ -102,10 +98,9 @@ def main(argv=None) -> int:
                 records.append(rec)
                 if us < best.get(kv, (float("inf"),))[0]:
                     best[kv] = (us, tile, variant)
-                vname = variant if kv == "nvfp4" else ("k_rows" if variant else "k_cols")
-                print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} {vname}: "
+                print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} {variant}: "
                       + (f"{us:8.1f} us  {rec['pct_bw']:5.1f}% BW" if err is None else err), flush=True)
-        pa.NVFP4_HALVES, pa.NVFP4_VEC, pa.K_ROWS = True, False, {"bf16": False, "fp8": False}
+        pa.NVFP4_VEC = False
         b16 = best["bf16"][0]
         print(f"== B={batch} ctx={ctx}: best " + "  ".join(
             f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} variant={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))

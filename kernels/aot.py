@@ -101,7 +101,7 @@ def attention_specs(family: str) -> list[Spec]:
                 NUM_Q_PER_KV=gqa, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                 BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
                 USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
-                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, NVFP4_HALVES=False, K_ROWS=False, E2M1_HW=False, NVFP4_VEC=False,
+                NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, E2M1_HW=False, NVFP4_VEC=False,
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
@@ -109,18 +109,17 @@ def attention_specs(family: str) -> list[Spec]:
         ))
     tile = _platform.attn_tile(family, "decode_nvfp4", 64)
     # The hardware e2m1 conversion exists only on the sm_12x (and sm_100+) targets.
-    variants = [(True, False, False), (True, False, True), (False, False, False)]
+    variants = [(False, False), (False, True)]
     if family == _platform.SM12X:
-        variants += [(True, True, False), (True, True, True)]
-    for halves, hw, vec in variants:
+        variants += [(True, False), (True, True)]
+    for hw, vec in variants:
         specs.append(Spec(
-            name=(f"paged_attention[decode,d64,nvfp4-{'halves' if halves else 'rows'}{'-hw-e2m1' if hw else ''}"
-                  f"{'-vec' if vec else ''},all-features]"),
+            name=f"paged_attention[decode,d64,nvfp4{'-hw-e2m1' if hw else ''}{'-vec' if vec else ''},all-features]",
             fn=_paged_attention_kernel,
             constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                             BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
                             USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False,
-                            NVFP4_HALVES=halves, K_ROWS=False, E2M1_HW=hw, NVFP4_VEC=vec),
+                            E2M1_HW=hw, NVFP4_VEC=vec),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
                            v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
                            query_start_loc_ptr="*i32"),

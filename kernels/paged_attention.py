@@ -50,19 +50,13 @@ PROGRAMS_PER_SM = 4
 # With the GPU already filled (>= 1 program per SM), split only contexts at least this long:
 # H200, window-128 layers at batch 32: 1 split 11.4 us vs 2 splits 15.7 us (the merge launch).
 FILLED_GPU_MIN_SPLIT_TOKENS = 2048
-# nvfp4 pages: multiply each nibble half of a page with its own (even/odd) half of q and
-# accumulate the output halves separately (no in-register re-layout of decoded rows); False
-# decodes whole rows and joins them (the first version). benchmarks/tune_kv.py on an H100:
-# halves 1.4-1.8x faster (b32 ctx32k 896 vs 1599 us at the best tile of each).
-NVFP4_HALVES = True
-# nvfp4 halves: load page rows contiguously (K bytes transposed in registers, block scales
+# nvfp4 pages are decoded as even/odd head-dim halves, each multiplied by its own half of q (no
+# in-register re-layout). benchmarks/tune_kv.py on an H100: 1.4-1.8x faster than decoding whole
+# rows and joining them (b32 ctx32k 896 vs 1599 us at the best tile of each), which was removed.
+# nvfp4: load page rows contiguously (K bytes transposed in registers, block scales
 # broadcast in registers) instead of the strided byte gathers the AOT PTX shows
 # (ld.global.b8). Compiled and CPU-tested, not yet timed on a GPU: off until tune_kv says so.
 NVFP4_VEC = False
-# bf16/fp8 pages: K loaded as [TILE_N, D] rows then transposed in registers (True) or gathered
-# as [D, TILE_N] directly (False). Per KV kind; benchmarks/tune_kv.py on an H100: rows no
-# faster for either (fp8 b32 ctx32k 584 us cols vs >= 590 rows), so both stay False.
-K_ROWS = {"bf16": False, "fp8": False}
 
 
 @dataclasses.dataclass
@@ -326,10 +320,8 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None, KV_FP8=kv_fp8, KV_NVFP4=kv_nvfp4, NUM_SPLITS=num_splits,
         DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
-        NVFP4_HALVES=kv_nvfp4 and NVFP4_HALVES,
-        K_ROWS=not kv_nvfp4 and K_ROWS["fp8" if kv_fp8 else "bf16"],
-        E2M1_HW=kv_nvfp4 and NVFP4_HALVES and _platform.NVFP4_HW_E2M1.get(family, False),
-        NVFP4_VEC=kv_nvfp4 and NVFP4_HALVES and NVFP4_VEC,
+        E2M1_HW=kv_nvfp4 and _platform.NVFP4_HW_E2M1.get(family, False),
+        NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

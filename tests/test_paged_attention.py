@@ -96,17 +96,6 @@ def test_paged_attention_cpu(case, device):
     run_case(case, device)  # the reduced sweep; on a GPU machine it runs there too
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[5], CPU_CASES[8]], ids=str)
-def test_k_rows_variant(case, device, monkeypatch):
-    """K loaded as [TILE_N, D] rows and transposed in registers (K_ROWS) gives the same results."""
-    import sys
-
-    monkeypatch.setitem(sys.modules["vllm_sm121.kernels.paged_attention"].K_ROWS, "bf16", True)
-    monkeypatch.setitem(sys.modules["vllm_sm121.kernels.paged_attention"].K_ROWS, "fp8", True)
-    run_case(case, device)
-
-
 # --------------------------------------------------------------------------------------- GPU sweep
 def _gpu_cases() -> list[Case]:
     lens = {

@@ -15,8 +15,6 @@ so no TMA).
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import nvfp4_dequantize_rows
-
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 
 
@@ -114,10 +112,8 @@ def _paged_attention_kernel(
     KV_NVFP4: tl.constexpr,  # e2m1 pages + e4m3 block scales, dequantized in registers
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
-    NVFP4_HALVES: tl.constexpr,  # KV_NVFP4: dots on even/odd head-dim halves (no re-layout); else rows decoded + joined
-    K_ROWS: tl.constexpr,  # bf16/fp8 pages: load K as [TILE_N, D] rows and transpose in registers (else [D, TILE_N])
-    E2M1_HW: tl.constexpr,  # nvfp4 halves: hardware e2m1x2 -> f16x2 conversion (sm_12x only; never on sm_90)
-    NVFP4_VEC: tl.constexpr,  # nvfp4 halves: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
+    E2M1_HW: tl.constexpr,  # nvfp4: hardware e2m1x2 -> f16x2 conversion (sm_12x only; never on sm_90)
+    NVFP4_VEC: tl.constexpr,  # nvfp4: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,7 +145,7 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
     offs_h2 = tl.arange(0, HEAD_PAD // 2)
-    if KV_NVFP4 and NVFP4_HALVES:
+    if KV_NVFP4:
         # Element 2i of a head sits in the low nibble of byte i: split q (and later the output)
         # into even/odd columns so each nibble half of a page multiplies its own half of q.
         q_even = tl.load(q_ptr + q_rows[:, None] * stride_q_t + q_head[:, None] * stride_q_h + 2 * offs_h2[None, :],
@@ -201,7 +197,7 @@ def _paged_attention_kernel(
         n_ok = (offs_n >= kv_begin) & (offs_n < kv_end)
         page = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        if KV_NVFP4 and NVFP4_HALVES:
+        if KV_NVFP4:
             # K^T halves [D/2, TILE_N] and V halves [TILE_N, D/2] straight from the packed bytes;
             # the e4m3 scale of element pair i is scale (2i) // 16 = i // 8 of its token.
             if NVFP4_VEC:
@@ -246,39 +242,16 @@ def _paged_attention_kernel(
                 k_lo, k_hi, v_lo, v_hi = k_lo.to(q.dtype), k_hi.to(q.dtype), v_lo.to(q.dtype), v_hi.to(q.dtype)
             s = (tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi)) * qk_scale
         else:
-            if KV_NVFP4:
-                # Packed bytes and block scales of TILE_N tokens; decoded (exactly) into q's dtype.
-                offs_hb = tl.arange(0, HEAD_SIZE // 2)
-                offs_sb = tl.arange(0, HEAD_SIZE // 16)
-                kq = tl.load(k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_hb[None, :],
-                             mask=n_ok[:, None], other=0)
-                ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[:, None] * stride_kb_b
-                             + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
-                vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_hb[None, :],
-                             mask=n_ok[:, None], other=0)
-                vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
-                             + slot[:, None] * (HEAD_SIZE // 16) + offs_sb[None, :], mask=n_ok[:, None], other=0)
-                k = tl.trans(nvfp4_dequantize_rows(kq, ks, TILE_N, HEAD_SIZE)).to(q.dtype)
-                v = nvfp4_dequantize_rows(vq, vs, TILE_N, HEAD_SIZE).to(q.dtype)
-            elif K_ROWS:
-                k_rows = tl.load(
-                    k_base + page[:, None] * stride_k_b + slot[:, None] * stride_k_t + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
-                k = tl.trans(k_rows.to(q.dtype))  # fp8: widen before the register transpose
-            else:
-                k = tl.load(
-                    k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None],
-                    other=0.0,
-                )
-            if not KV_NVFP4:
-                v = tl.load(
-                    v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
+            k = tl.load(
+                k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -301,14 +274,14 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_NVFP4 and NVFP4_HALVES:
+        if KV_NVFP4:
             acc_even = acc_even * alpha[:, None] + tl.dot(p.to(v_lo.dtype), v_lo)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if KV_NVFP4 and NVFP4_HALVES:
+    if KV_NVFP4:
         acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_M, HEAD_PAD])  # columns 2i, 2i + 1
 
     if NUM_SPLITS == 1:
