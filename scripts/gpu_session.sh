@@ -38,7 +38,6 @@ for step in "$@"; do
     e2e_graphs) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "graph" -p no:cacheprovider > "$OUT/e2e_graphs.log" 2>&1; r=$?
          grep -E "gap|Error|passed|failed" "$OUT/e2e_graphs.log" | head -n 40; (exit $r) ;;
     eagle_nvfp4) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle_nvfp4.log" -- --kv-cache-dtype nvfp4 --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
-    kvcap) for kv in auto fp8 nvfp4; do python3 scripts/kv_capacity.py --model "${MODEL120:-.bundle/part2/models/gpt-oss-120b}" --kv-cache-dtype $kv; done 2>&1 | grep -E "^kv_capacity|Error" ;;
     e2e_moe) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "moe" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
