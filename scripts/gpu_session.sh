@@ -27,11 +27,11 @@ for step in "$@"; do
     bench) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -n 150 ;;
     quickbench) python3 benchmarks/attention.py --quick --out "$OUT/attention_quick.json" 2>&1 | tee "$OUT/bench.log" | tail -n 80 ;;
     e2equick) python3 benchmarks/e2e.py --quick ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_quick${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_quick${E2E_TAG:-}.log" | tail -n 60 ;;
-    e2e120b) python3 benchmarks/e2e.py --model "$part/models/gpt-oss-120b" ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_120b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_120b${E2E_TAG:-}.log" | tail -n 60 ;;
+    e2e120b) python3 benchmarks/e2e.py --model models/gpt-oss-120b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-} --out "$OUT/e2e_120b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_120b${E2E_TAG:-}.log" | tail -n 60 ;;
     e2e20b) python3 benchmarks/e2e.py --model models/gpt-oss-20b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_20b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_20b${E2E_TAG:-}.log" | tail -n 60 ;;
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
     serve) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_fp.log" -- --max-cudagraph-capture-size 8 ;;
-    servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 8 ;;
+    servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --stagger 0.02 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 512 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
     eagle) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle.log" -- --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
     e2e_numerics) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "prompt_logprobs" -p no:cacheprovider > "$OUT/e2e_numerics.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_numerics.log" | head -n 40; (exit $r) ;;

@@ -34,6 +34,9 @@ def main() -> int:
     ap.add_argument("--log", default="serve.log")
     ap.add_argument("--expect-layers", type=int, required=True, help="attention layers that must log SM121")
     ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--stagger", type=float, default=0.0,
+                    help="seconds between request starts (> 0: later prefills join running decodes, "
+                         "so the engine sees mixed prefill+decode batches)")
     ap.add_argument("extra", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     extra = [a for a in args.extra if a != "--"]
@@ -59,8 +62,12 @@ def main() -> int:
         if ok:
             prompts = [[11 + i, 12, 13, 14 + i] * (1 + 40 * (i % 3)) for i in range(args.requests)]
             body = lambda p: dict(model=args.model, prompt=p, max_tokens=32, ignore_eos=True, temperature=0)  # noqa: E731
+            def send(ip):
+                time.sleep(ip[0] * args.stagger)
+                return post(args.port, body(ip[1]))
+
             with concurrent.futures.ThreadPoolExecutor(args.requests) as ex:
-                outs = list(ex.map(lambda p: post(args.port, body(p)), prompts))
+                outs = list(ex.map(send, enumerate(prompts)))
             n = [o["usage"]["completion_tokens"] for o in outs]
             print(f"/v1/completions: {len(outs)} answers, completion tokens {n}", flush=True)
             ok = all(x == 32 for x in n)

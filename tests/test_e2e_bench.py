@@ -382,3 +382,18 @@ def test_kv_capacity_line_is_parsed():
     line = "(EngineCore pid=1) INFO 11-26 08:30:03 [kv_cache_utils.py:1234] GPU KV cache size: 1,234,567 tokens"
     assert mod.kv_capacity_tokens(line) == 1234567
     assert mod.kv_capacity_tokens("Maximum concurrency for 4,096 tokens per request: 3.2x") is None
+
+
+def test_tg_estimate_ignores_host_stalls():
+    """A 1.4 s stall inside one t(1) made that iteration's difference negative on H100; the
+    min-based estimate recovers the true step time, flags the point and keeps the raw timings."""
+    step, n, batch = 0.0047, 128, 8
+    t1 = [1.41, 0.104, 0.106]
+    tn = [0.104 + (n - 1) * step, 0.104 + (n - 1) * step + 0.002, 2.47]
+    rec = e2e.tg_estimate(t1, tn, n, batch)
+    assert rec["ms_per_step"] == pytest.approx(step * 1e3, rel=1e-6)
+    assert rec["tok_s"] == pytest.approx(batch / step, rel=1e-6)
+    assert "suspect" in rec and rec["t_1_s"] == t1 and rec["ms_per_step_min"] < 0
+    clean = e2e.tg_estimate([0.1, 0.1], [0.1 + (n - 1) * step] * 2, n, 1)
+    assert "suspect" not in clean and clean["ms_per_step"] == pytest.approx(step * 1e3)
+    assert e2e.tg_estimate([1.0], [0.5], n, 1)["tok_s"] is None

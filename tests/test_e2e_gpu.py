@@ -181,36 +181,66 @@ def test_quantized_kv_logprobs_reported(model, tmp_path_factory):
     assert gaps["nvfp4"][0] > 0.5 * gaps["fp8"][0], gaps
 
 
+def _greedy_agreement(pass0, pass1, tie: float = 0.05):
+    """Compare two greedy passes over the same prompts position by position, up to each
+    sequence's first differing token (after it the contexts differ and nothing is comparable).
+
+    Returns (|delta logprob| of the chosen token over the common positions, list of divergences).
+    At a divergence the two chosen tokens must be a near-tie in BOTH passes: each pass's token is
+    in the other's top-k with a logprob within ``tie`` of that pass's best; else it is recorded
+    as a real divergence (returned as (seq, pos, margin0, margin1)).
+    """
+    deltas, bad = [], []
+    for s, (steps0, steps1) in enumerate(zip(pass0, pass1)):
+        for pos, ((t0, d0), (t1, d1)) in enumerate(zip(steps0, steps1)):
+            if t0 == t1:
+                deltas.append(abs(d0[t0].logprob - d1[t1].logprob))
+                continue
+            m0 = d0[t0].logprob - d0[t1].logprob if t1 in d0 else float("inf")
+            m1 = d1[t1].logprob - d1[t0].logprob if t0 in d1 else float("inf")
+            deltas.append(abs(d0[t0].logprob - d1[t1].logprob))  # both are their pass's best
+            if m0 > tie or m1 > tie:
+                bad.append((s, pos, m0, m1))
+            break
+    return torch.tensor(deltas), bad
+
+
 def test_nvfp4_prefix_cache_and_graphs():
     """nvfp4 KV with prefix caching and FULL_AND_PIECEWISE graphs: a second pass over the same
-    prompts reuses the cached nvfp4 blocks and decodes the same tokens with the same logprobs
-    as the first pass (cold cache), and as an eager run without prefix caching."""
+    prompts reuses the cached nvfp4 blocks and decodes with the same logprobs as the first pass
+    (cold cache). Random weights give near-tied greedy choices, and the two passes batch
+    differently (different split-KV and chunk shapes, so last-bit differences), so a token may
+    flip at a near-tie: positions are compared up to each sequence's first flip, and a flip must
+    be a near-tie in both passes (the first H100 run of the old all-positions check failed only
+    on such a flip: mean 0.097 over positions that included the diverged tails)."""
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from vllm import LLM, SamplingParams
 
     ckpt = _write_once()
     prompts = _prompts()
-    sp = SamplingParams(max_tokens=16, logprobs=0, temperature=0.0, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(max_tokens=16, logprobs=5, temperature=0.0, ignore_eos=True, detokenize=False)
     llm = LLM(model=ckpt, skip_tokenizer_init=True, attention_backend="SM121", kv_cache_dtype="nvfp4",
               max_model_len=4096, max_num_batched_tokens=256, gpu_memory_utilization=0.3, enable_prefix_caching=True,
               seed=0, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 8})
     try:
-        passes = []
+        passes, cached = [], []
         for _ in range(2):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            passes.append(([list(o.outputs[0].token_ids) for o in outs],
-                           [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                            for o in outs], [o.num_cached_tokens for o in outs]))
+            passes.append([list(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)) for o in outs])
+            cached.append([o.num_cached_tokens for o in outs])
     finally:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    (ids0, lp0, cached0), (ids1, lp1, cached1) = passes
-    print(f"\nnvfp4 prefix cache: cached tokens pass 1 {cached0}, pass 2 {cached1}")
-    assert all(c >= (len(p) // 16 - 1) * 16 for c, p in zip(cached1, prompts)), "second pass did not hit the cache"
-    gap = _diffs(lp1, lp0)
-    print(f"nvfp4 prefix-cached pass vs cold pass (graphs): |delta logprob| mean {gap[0]:.4g} p99 {gap[1]:.4g}")
-    assert ids0 == ids1 or gap[0] < 0.02, (gap, ids0, ids1)
+    print(f"\nnvfp4 prefix cache: cached tokens pass 1 {cached[0]}, pass 2 {cached[1]}")
+    assert all(c >= (len(p) // 16 - 1) * 16 for c, p in zip(cached[1], prompts)), "second pass did not hit the cache"
+    deltas, bad = _greedy_agreement(*passes)
+    flips = sum(1 for a, b in zip(*passes) if [t for t, _ in a] != [t for t, _ in b])
+    print(f"nvfp4 prefix-cached pass vs cold pass (graphs): |delta logprob| over {deltas.numel()} common "
+          f"positions mean {deltas.mean().item():.4g} max {deltas.max().item():.4g}; "
+          f"{flips}/{len(prompts)} sequences flip a token, non-tie flips {bad}")
+    assert not bad, bad
+    assert deltas.mean().item() < 0.02 and deltas.max().item() < 0.1, deltas
 
 
 _CKPT: dict = {}
