@@ -1217,7 +1217,8 @@ def write_plot(result: dict, png: Path) -> str:
                 tok = measured(run, pname)
                 vals.append(tok or 0.0)
                 lo, hi = rec.get("tok_s_min") or tok, rec.get("tok_s_max") or tok
-                errs.append([tok - lo, hi - tok] if tok else [0.0, 0.0])
+                # the per-iteration range need not bracket the min-based estimate (host stalls)
+                errs.append([max(tok - lo, 0.0), max(hi - tok, 0.0)] if tok else [0.0, 0.0])
             ax.bar(
                 range(len(vals)), vals, yerr=list(zip(*errs)), capsize=3, color=colors
             )

@@ -6,6 +6,8 @@ Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
     python benchmarks/moe.py                          # gpt-oss-120b layer, M = 1..4096, all providers
     python benchmarks/moe.py --m 1,8,512 --providers sm121,triton --reps 20
     python benchmarks/moe.py --experts 32             # gpt-oss-20b layer
+    python benchmarks/moe.py --m 1,2,4 --providers sm121_fma,sm121_decode,triton \
+        --fma-tiles "64,256,32,256,8,1;64,128,16,128,4,1"  # + FMA decode tile sweep
     python benchmarks/moe.py --dry-run                # CPU, Triton interpreter: tiny shapes; ours run
                                                       # (sm121 through vLLM's layer), upstream: config only
 
@@ -26,7 +28,9 @@ loader), then vLLM's ``process_weights_after_loading`` (-> ``quant_method.proces
 and ``layer(x, router_logits)`` runs under ``set_forward_context``, i.e. MoERunner ->
 ``vllm::moe_forward`` -> the method; every provider gets the same random MXFP4 codes/scales/biases)
     sm121           our ``Sm121Mxfp4MoEMethod`` (``sm121_mxfp4`` config resolved to "mxfp8");
-                    sm121_decode / sm121_grouped: its two paths forced (kernel launcher only).
+                    sm121_fma / sm121_decode / sm121_grouped: its three paths forced (kernel
+                    launcher ``moe_block(path=...)`` only; fma: M <= 4 tokens, CUDA-core GEMVs;
+                    decode: tl.dot_scaled GEMVs; grouped: GEMMs over expert-sorted pairs).
     triton          ``GptOssMxfp4MoEMethod`` with ``--moe-backend triton``: vLLM's default on sm_90
                     (vendored triton_kernels ``matmul_ogs``, bf16 x mxfp4).
     marlin          ``GptOssMxfp4MoEMethod`` with ``--moe-backend marlin`` (W4A16; GB10's default).
@@ -38,6 +42,13 @@ Timing
     that evicts L2; CUDA events; p20/p50/p80 over --reps. Bytes moved: the distinct experts the
     routing touches (their MXFP4 blocks, scales and biases, both GEMMs) + activations in/out;
     % of copy bandwidth: bytes / p50 over a device-to-device 1 GiB copy measured in this run.
+
+FMA tile sweep (--fma-tiles "t1;t2;...", each t = fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages
+[,fc2_warps,fc2_stages[,fc2_split]] as in $VLLM_SM121_MOE_FMA_TILES; stages 2 = register
+prefetch of the next K step; fc2_split = FC2 split-K): for every tile and every M <= 4, the
+whole block (path fma) and FC1 / FC2+combine alone, each its own CUDA graph timed as above, with
+GB/s and % of copy bandwidth (FC1: the routed experts' w13 + scales + bias; FC2: w2's); the
+fastest tile per M is printed last. A tile that fails to compile is a row with its error.
 
 Correctness (--refcheck, default on): each provider's output vs the dequantized fp32 reference
 ``moe_block_torch`` (MXFP8 activations) and vs the bf16-activation reference (rel L2).
@@ -63,9 +74,10 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROVIDERS = ("sm121", "sm121_decode", "sm121_grouped", "triton", "marlin")
+PROVIDERS = ("sm121", "sm121_fma", "sm121_decode", "sm121_grouped", "triton", "marlin")
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FLUSH_BYTES = 256 << 20
+FMA_MAX_M = 4  # kernels.moe.FMA_KERNEL_MAX_TOKENS (checked in tests/test_moe_bench.py)
 COPY_BYTES = 1 << 30
 NO_CUDA_MESSAGE = "benchmarks/moe.py needs a CUDA GPU (use --dry-run on the CPU)"
 
@@ -80,6 +92,9 @@ def parse_args(argv=None):
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-refcheck", dest="refcheck", action="store_false")
+    ap.add_argument("--fma-tiles", default="",
+                    help="FMA decode tile sweep: 'fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
+                         "[,fc2_warps,fc2_stages[,fc2_split]];...'")
     ap.add_argument("--out", default=str(REPO_ROOT / "results" / "moe.json"))
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter, tiny shapes: ours run, upstream providers config only")
@@ -90,6 +105,7 @@ def parse_args(argv=None):
         args.reps = 1
     args.m = [int(x) for x in (args.m.split(",") if args.m else DEFAULT_M)]
     args.providers = [p for p in args.providers.split(",") if p]
+    args.fma_tiles = [t.strip() for t in args.fma_tiles.replace(" ", ";").split(";") if t.strip()]
     bad = sorted(set(args.providers) - set(PROVIDERS))
     if bad:
         ap.error(f"unknown providers {bad}; supported: {', '.join(PROVIDERS)}")
@@ -115,9 +131,18 @@ def make_weights(args, device, seed=0) -> dict:
                 "w2_weight": codes(e, h, i // 2), "w2_weight_scale": scales(e, h, i // 32), "w2_bias": bias(e, h)}
 
 
-def expert_bytes(args) -> int:
+def fc1_expert_bytes(args) -> int:
     h, i = args.hidden, args.inter
-    return (2 * i * (h // 2 + h // 32) + 2 * i * 2) + (h * (i // 2 + i // 32) + h * 2)
+    return 2 * i * (h // 2 + h // 32) + 2 * i * 2
+
+
+def fc2_expert_bytes(args) -> int:
+    h, i = args.hidden, args.inter
+    return h * (i // 2 + i // 32) + h * 2
+
+
+def expert_bytes(args) -> int:
+    return fc1_expert_bytes(args) + fc2_expert_bytes(args)
 
 
 def bytes_moved(args, topk_ids: torch.Tensor) -> int:
@@ -345,6 +370,99 @@ def header(device, copy_gbps) -> dict:
                 "versions": versions, "commit": commit, "copy_gbps": copy_gbps}
 
 
+def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
+    """Time the FMA decode path per tile (--fma-tiles) at each M <= 4: block, FC1, FC2+combine."""
+    from vllm_sm121.kernels import moe as K
+
+    w = weights
+    records = []
+    ms = [m for m in args.m if 0 < m <= K.FMA_KERNEL_MAX_TOKENS]
+    print(f"\nFMA decode tile sweep (fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]); "
+          f"M = {ms}")
+    print(f"{'tile':<26}{'M':>4}{'block us':>10}{'%copy':>7}{'fc1 us':>10}{'%copy':>7}{'fc2 us':>10}{'%copy':>7}"
+          f"{'relL2 ref':>11}")
+    best: dict[int, tuple[float, str]] = {}
+    saved = os.environ.get(K.FMA_TILES_ENV)
+    try:
+        for m in ms:
+            g = torch.Generator().manual_seed(m)
+            x = torch.randn(m, args.hidden, generator=g).bfloat16().to(device)
+            logits = torch.randn(m, args.experts, generator=g).bfloat16().to(device)
+            topk_w, topk_ids, xq, xs = K.moe_route(logits, args.topk, x)
+            n_exp = int(topk_ids.unique().numel())
+            b_fc1, b_fc2 = n_exp * fc1_expert_bytes(args), n_exp * fc2_expert_bytes(args)
+            b_all = bytes_moved(args, moe_route_torch_ids(logits, args.topk))
+            ref = None
+            if args.refcheck:
+                from vllm_sm121.kernels.moe import moe_block_torch
+
+                ref = moe_block_torch(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                      w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk)
+            h, hs = K.moe_fc1_swiglu_fma(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids)
+            for spec in args.fma_tiles:
+                rec = {"provider": "sm121_fma_tile", "tile": spec, "m": m, "bytes": b_all, "fc1_bytes": b_fc1,
+                       "fc2_bytes": b_fc2}
+                try:
+                    tiles = K.FmaTiles.parse(spec)
+                    os.environ[K.FMA_TILES_ENV] = spec
+
+                    def block():  # noqa: B023 (each is timed before the next tile)
+                        return K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                           w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk, path="fma")
+
+                    def fc1():
+                        return K.moe_fc1_swiglu_fma(xq, xs, w["w13_weight"], w["w13_weight_scale"],  # noqa: B023
+                                                    w["w13_bias"], topk_ids, tiles)  # noqa: B023
+
+                    def fc2():
+                        return K.moe_fc2_combine_fma(h, hs, w["w2_weight"], w["w2_weight_scale"],  # noqa: B023
+                                                     w["w2_bias"], topk_ids, topk_w, tiles)  # noqa: B023
+
+                    res = {}
+                    for name, fn in (("block", block), ("fc1", fc1), ("fc2", fc2)):
+                        if device.type == "cuda":
+                            times, out = time_graph(fn, args.reps, flush)
+                        else:
+                            t0 = time.perf_counter()
+                            out = fn()
+                            times = [(time.perf_counter() - t0) * 1e6]
+                        res[name] = (pct(times, 0.5), out)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
+                    rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    records.append(rec)
+                    print(f"{spec:<26}{m:>4}  {rec['status']}")
+                    continue
+                rec.update(status="ok", us_p50=res["block"][0], fc1_us_p50=res["fc1"][0], fc2_us_p50=res["fc2"][0])
+                pcts = []
+                for key, nbytes in (("block", b_all), ("fc1", b_fc1), ("fc2", b_fc2)):
+                    gbps = nbytes / res[key][0] / 1e3
+                    rec[f"{key}_gbps"] = gbps
+                    pcts.append(100 * gbps / copy_gbps if copy_gbps else float("nan"))
+                    if copy_gbps:
+                        rec[f"{key}_pct_copy_bw"] = pcts[-1]
+                if ref is not None:
+                    rec["rel_l2_vs_ref"] = ((res["block"][1].float() - ref).norm() / ref.norm()).item()
+                records.append(rec)
+                print(f"{spec:<26}{m:>4}{res['block'][0]:>10.1f}{pcts[0]:>7.1f}{res['fc1'][0]:>10.1f}{pcts[1]:>7.1f}"
+                      f"{res['fc2'][0]:>10.1f}{pcts[2]:>7.1f}{rec.get('rel_l2_vs_ref', float('nan')):>11.2e}")
+                if m not in best or res["block"][0] < best[m][0]:
+                    best[m] = (res["block"][0], spec)
+    finally:
+        if saved is None:
+            os.environ.pop(K.FMA_TILES_ENV, None)
+        else:
+            os.environ[K.FMA_TILES_ENV] = saved
+    for m, (us, spec) in sorted(best.items()):
+        print(f"fastest FMA tile at M={m}: {spec} ({us:.1f} us)")
+    return records
+
+
+def moe_route_torch_ids(logits, topk):
+    from vllm_sm121.kernels.moe import moe_route_torch
+
+    return moe_route_torch(logits, topk)[1]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
@@ -391,6 +509,11 @@ def main(argv=None) -> int:
                 records.append(rec)
                 print(f"{p:<14}{m:>6}  {rec['status']}")
                 continue
+            if p == "sm121_fma" and m > FMA_MAX_M:
+                rec["status"] = f"skipped: the fma path takes M <= {FMA_MAX_M}"
+                records.append(rec)
+                print(f"{p:<14}{m:>6}  {rec['status']}")
+                continue
             fn, info = prov
             try:
                 if device.type == "cuda":
@@ -418,11 +541,14 @@ def main(argv=None) -> int:
                   f"{rec['gbps']:>8.0f}{rec.get('pct_copy_bw', float('nan')):>8.1f}"
                   f"{rec.get('rel_l2_vs_ref', float('nan')):>11.2e}{rec.get('rel_l2_vs_bf16_act', float('nan')):>11.2e}"
                   f"  {info}")
+    if args.fma_tiles:
+        records += fma_tile_sweep(args, weights, device, flush, copy_gbps)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))
     print(f"wrote {out_path}")
-    bad = [r for r in records if r["provider"].startswith("sm121") and r.get("status") != "ok"]
+    bad = [r for r in records
+           if r["provider"].startswith("sm121") and not r.get("status", "").startswith(("ok", "skipped"))]
     if _DIST_READY:
         from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 

@@ -27,6 +27,7 @@ from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
+from .moe_details._moe_fma import _moe_fc1_swiglu_fma_kernel, _moe_fc2_fma_kernel
 from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
 from .moe_details._moe_route import _moe_route_kernel
 from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
@@ -195,6 +196,23 @@ def moe_specs(family: str) -> list[Spec]:
         Spec(name="moe_combine[H2880 top4]", fn=_moe_combine_kernel, constexprs=dict(H=2880, TOPK=4, BLOCK=1024),
              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
     ]
+    for nt in (1, 4):  # the FMA decode GEMVs (M <= 4): one and four token accumulators, with their tiles
+        fma = M.FMA_TILES[(family, min(nt, 2))]
+        fc2_warps, fc2_stages = fma.fc2_launch()
+        split, gps = M.fc2_split_k(2880, fma.fc2_kb // 16, fma.fc2_split)
+        common = dict(E=128, TOPK=4, TOPK_PAD=4, NT=nt, BLOCK_T=triton.next_power_of_2(nt))
+        specs.append(Spec(
+            name=f"moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M{nt}]", fn=_moe_fc1_swiglu_fma_kernel,
+            constexprs=dict(common, K=2880, I=2880, BLOCK_R=fma.fc1_rows, BLOCK_G=fma.fc1_kb // 16,
+                            PREFETCH=fma.num_stages > 1, ALPHA=1.702, LIMIT=7.0, HW_FP8=True),
+            ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"),
+            num_warps=fma.num_warps))
+        specs.append(Spec(
+            name=f"moe_fc2_fma[gpt-oss H2880 I2880 top4, M{nt}]", fn=_moe_fc2_fma_kernel,
+            constexprs=dict(common, H=2880, I=2880, BLOCK_R=fma.fc2_rows, BLOCK_G=fma.fc2_kb // 16,
+                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1),
+            ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
+            num_warps=fc2_warps))
     for a_mxfp8 in (False, True):
         specs.append(Spec(
             name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in]",

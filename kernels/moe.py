@@ -8,6 +8,15 @@ Architecture
     by expert (``moe_align``: torch ops with static shapes). Every path is graph-capturable: no
     host sync, shapes depend only on the token count.
 
+    Decode for M <= FMA_MAX_TOKENS (4) tokens ("fma", ``moe_fc1_swiglu_fma`` /
+    ``moe_fc2_combine_fma``, ``moe_details/_moe_fma.py``): the same 4 launches and numbers on CUDA
+    cores, no MMA and no token padding: program (routed slot, tile of FmaTiles.fc1_rows = 64
+    weight rows) streams its expert's rows once as 16-byte words (32 e2m1 values = one e8m0
+    group per thread), decodes them with 3 integer ops per value, FMAs them with each routed
+    token's e4m3 activations (decoded the same way) and reduces with ``tl.sum``; a slot whose
+    expert an earlier slot has exits. Tiles per family in FMA_TILES, overridable at call time
+    with $VLLM_SM121_MOE_FMA_TILES; ``select_path`` picks the path from M.
+
     Decode (bandwidth-bound grouped GEMVs, 4 launches): ``moe_route`` also quantizes bf16 x to
     MXFP8; FC1 and FC2 run one program per (routed slot, row tile, block of 16 tokens) -- a slot
     whose expert an earlier slot of the block already has exits, so each routed expert's weights
@@ -32,13 +41,19 @@ Instructions (``python -m vllm_sm121.kernels.aot``): decode ``tl.dot_scaled`` lo
 
 Limitations
     Status: the first decode kernels (CUDA-core row dots) matched the reference on an H200 but
-    ran at 3% of copy bandwidth; the dot_scaled GEMVs replacing them are CPU-tested (interpreter
-    path) and AOT-compiled, not yet measured. No expert
+    ran at 3% of copy bandwidth; the dot_scaled GEMVs replacing them took 121 us per
+    gpt-oss-120b layer at M = 1 on an H100 (436 GB/s). The FMA GEMVs (GPU-tested on an H100 at
+    gpt-oss-120b/20b shapes, M = 1..4) take 52.8 / 98.4 / 179.6 us at M = 1 / 2 / 4 there
+    against 123.8 / 212.9 / 367.8 us for the dot_scaled ones (33-36% of copy bandwidth: FC1 at
+    ~42%, FC2 + combine at ~30%; FMA_TILES). No expert
     parallelism (expert ids are global). e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero
     blocks use it).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import torch
 import triton
@@ -48,6 +63,7 @@ from vllm_sm121 import platform as _platform
 from . import _validate as V
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
+from .moe_details._moe_fma import _moe_fc1_swiglu_fma_kernel, _moe_fc2_fma_kernel
 from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
 from .moe_details._moe_route import _moe_route_kernel
 from .nvfp4 import E2M1_VALUES
@@ -135,6 +151,158 @@ def moe_fc1_swiglu(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Ten
             BLOCK_K=min(DECODE_BLOCK_K, triton.next_power_of_2(k)), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
             **_gpu_flags(a), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
     return out.view(torch.float8_e4m3fn), out_scale
+
+
+# ---- decode for very few tokens: CUDA-core (FMA) grouped GEMVs ------------------------------------
+
+# Most tokens the FMA kernels take (their accumulators are unrolled per token).
+FMA_KERNEL_MAX_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class FmaTiles:
+    """Tiles of the FMA decode kernels (performance hyper-parameters)."""
+
+    fc1_rows: int  # FC1 weight rows per program: a power of two >= 64 (32 SwiGLU outputs = 1 MXFP8 block per 64)
+    fc1_kb: int  # bytes of each row per K step: a power of two >= 16 (16 bytes = 32 values = 1 scale group)
+    fc2_rows: int  # FC2 rows of H per program: a power of two
+    fc2_kb: int
+    num_warps: int
+    num_stages: int  # 1: plain loop; 2: the next K step's weights are loaded before this step's math
+    fc2_num_warps: int | None = None  # None: num_warps
+    fc2_num_stages: int | None = None  # None: num_stages
+    fc2_split: int = 1  # FC2 split-K: fp32 partials per (token, slot, split), summed in order by the combine
+
+    def __post_init__(self):
+        def pow2(v):
+            return v > 0 and v & (v - 1) == 0
+
+        if not (pow2(self.fc1_rows) and self.fc1_rows >= 64 and pow2(self.fc2_rows) and pow2(self.fc1_kb)
+                and self.fc1_kb >= 16 and pow2(self.fc2_kb) and self.fc2_kb >= 16):
+            raise ValueError(f"{self}: rows and kb must be powers of two, fc1_rows >= 64, kb >= 16")
+        for w in (self.num_warps, self.fc2_num_warps):
+            if w is not None and w not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{self}: num_warps must be a power of two <= 32")
+        if not 1 <= self.fc2_split <= 16:
+            raise ValueError(f"{self}: fc2_split must be in 1..16")
+
+    @classmethod
+    def parse(cls, text: str) -> FmaTiles:
+        """"fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]" (the env
+        format; fc2_warps / fc2_stages 0: as warps / stages)."""
+        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+        if len(vals) not in (6, 8, 9):
+            raise ValueError(f"{FMA_TILES_ENV}={text!r}: expected fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
+                             "[,fc2_warps,fc2_stages[,fc2_split]]")
+        if len(vals) > 6:
+            vals[6] = vals[6] or None
+            vals[7] = vals[7] or None
+        return cls(*vals)
+
+    def spec(self) -> str:
+        s = f"{self.fc1_rows},{self.fc1_kb},{self.fc2_rows},{self.fc2_kb},{self.num_warps},{self.num_stages}"
+        if self.fc2_num_warps or self.fc2_num_stages or self.fc2_split > 1:
+            s += f",{self.fc2_num_warps or 0},{self.fc2_num_stages or 0}"
+        return s + (f",{self.fc2_split}" if self.fc2_split > 1 else "")
+
+    def fc2_launch(self) -> tuple[int, int]:
+        return self.fc2_num_warps or self.num_warps, self.fc2_num_stages or self.num_stages
+
+
+# performance hyper-parameters, per (architecture family, 1 token or 2..4 tokens). sm_90: the
+# fastest of benchmarks/moe.py --fma-tiles on an H100 (2026-11-26, gpt-oss-120b layer, cold L2,
+# whole block / FC1 / FC2+combine, us; sm121_decode took 123.8 / 212.9 / 367.8 us at M = 1 / 2 / 4):
+#   M=1  64,256,32,256,4,1        52.8 / 28.3 / 20.4  (8 fc1 warps: 53.4; 512-byte steps: 57.3)
+#   M=2  64,256,32,256,8,2,4,2    98.4 / 62.7 / 38.7  (4 fc1 warps: 133.2: 232 registers with 2+ tokens)
+#   M=4  64,256,32,256,8,2,4,2   179.6 / 115.6 / 69.0
+# fc2_split (split-K of FC2) was added after that sweep and is not measured yet. sm_12x: the sm_90
+# choice (not measured: no GB10 here). The interpreter gets small tiles (its cost grows with
+# the tile). Overridden at call time, for every M, by
+# VLLM_SM121_MOE_FMA_TILES="fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]"
+# (benchmarks/moe.py --fma-tiles sweeps it).
+FMA_TILES: dict[tuple[str, int], FmaTiles] = {
+    (_platform.SM90, 1): FmaTiles(64, 256, 32, 256, 4, 1),
+    (_platform.SM90, 2): FmaTiles(64, 256, 32, 256, 8, 2, 4, 2),
+    (_platform.SM12X, 1): FmaTiles(64, 256, 32, 256, 4, 1),
+    (_platform.SM12X, 2): FmaTiles(64, 256, 32, 256, 8, 2, 4, 2),
+    (_platform.INTERPRETER, 1): FmaTiles(64, 32, 16, 32, 4, 1),
+    (_platform.INTERPRETER, 2): FmaTiles(64, 32, 16, 32, 4, 1),
+}
+FMA_TILES_ENV = "VLLM_SM121_MOE_FMA_TILES"
+
+
+def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
+    """The FMA kernels' tiles for M tokens on ``t``'s device: $VLLM_SM121_MOE_FMA_TILES if set,
+    else FMA_TILES[(family, 1 if M == 1 else 2)]."""
+    env = os.environ.get(FMA_TILES_ENV, "").strip()
+    return FmaTiles.parse(env) if env else FMA_TILES[(_platform.family_of(t), 1 if m <= 1 else 2)]
+
+
+def _check_fma_tokens(m: int) -> None:
+    if m > FMA_KERNEL_MAX_TOKENS:
+        raise ValueError(f"the FMA decode kernels take at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
+
+
+def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor,
+                       bias: torch.Tensor, topk_ids: torch.Tensor,
+                       tiles: FmaTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_fc1_swiglu`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and numbers).
+
+    Grid (routed slot, fc1_rows-row tile): each routed expert's rows are streamed once, as
+    16-byte words, for all the tokens routed to it (``_moe_fma.py``).
+    """
+    m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
+    _check_fma_tokens(m)
+    if a.dtype == torch.bfloat16:
+        a, a_scale = mxfp8_quantize(a)
+    out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
+    out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
+    tiles = tiles or fma_tiles(a, m)
+    rows = tiles.fc1_rows
+    if m:
+        _moe_fc1_swiglu_fma_kernel[(m * topk, -(-2 * i // rows))](
+            a.view(torch.uint8).view(torch.int32), a_scale, w13.view(torch.int32), w13_scale, bias, topk_ids, out,
+            out_scale, m, E=e, K=k, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
+            BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
+            BLOCK_G=min(tiles.fc1_kb // 16, triton.next_power_of_2(k // 32)),
+            PREFETCH=tiles.num_stages > 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"],
+            num_warps=tiles.num_warps, num_stages=1)
+    return out.view(torch.float8_e4m3fn), out_scale
+
+
+def fc2_split_k(i: int, block_g: int, want: int) -> tuple[int, int]:
+    """(splits, 32-value groups per split) of FC2's K = i for ``want`` splits: whole K steps of
+    block_g groups per split, no empty split."""
+    groups = i // 32
+    gps = -(-(-(-groups // want)) // block_g) * block_g
+    return -(-groups // gps), gps
+
+
+def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                        bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        tiles: FmaTiles | None = None) -> torch.Tensor:
+    """``moe_fc2_combine`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and
+    numbers): the FMA GEMV writes the fp32 partials per (token, slot), ``_moe_combine_kernel`` sums them."""
+    m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
+    _check_fma_tokens(m)
+    tiles = tiles or fma_tiles(h, m)
+    rows = tiles.fc2_rows
+    warps, stages = tiles.fc2_launch()
+    block_g = min(tiles.fc2_kb // 16, triton.next_power_of_2(i // 32))
+    split, gps = fc2_split_k(i, block_g, tiles.fc2_split)
+    out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
+    part = torch.empty(m * topk * split, hidden, dtype=torch.float32, device=h.device)
+    if m:
+        _moe_fc2_fma_kernel[(m * topk, -(-hidden // rows), split)](
+            h.view(torch.uint8).view(torch.int32), h_scale, w2.view(torch.int32), w2_scale, bias, topk_ids,
+            topk_weights, part, m, E=e, H=hidden, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
+            BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1,
+            num_warps=warps, num_stages=1)
+        block = min(1024, triton.next_power_of_2(hidden))
+        # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
+        _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,
+                                                      num_warps=4)
+    return out
 
 
 def dequant_mxfp4_torch(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -328,11 +496,24 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
 
 # ---- the whole block ---------------------------------------------------------------------------
 
-# Token counts up to this use the decode kernels (each routed expert's rows streamed per pair);
-# larger ones the grouped GEMMs. Performance hyper-parameter, not tuned yet (benchmarks/moe.py
-# measures both paths: --paths decode grouped).
+# Path by token count (performance hyper-parameters; benchmarks/moe.py times every path in one
+# run: providers sm121_fma, sm121_decode, sm121_grouped): M <= FMA_MAX_TOKENS -> the CUDA-core
+# GEMVs ("fma"), M <= DECODE_MAX_TOKENS -> the tl.dot_scaled GEMVs ("decode"), else the grouped
+# GEMMs. FMA_MAX_TOKENS <= FMA_KERNEL_MAX_TOKENS; 0 turns the FMA path off. The environment
+# variable VLLM_SM121_MOE_FMA_MAX_TOKENS, read at call time, overrides it (A/B runs).
+FMA_MAX_TOKENS = 4
+FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
 DECODE_MAX_TOKENS = 8
-PATHS = ("auto", "decode", "grouped")
+PATHS = ("auto", "fma", "decode", "grouped")
+
+
+def select_path(m: int) -> str:
+    """The path ``moe_block(path="auto")`` takes for M tokens (from M alone: graph-capturable)."""
+    env = os.environ.get(FMA_MAX_TOKENS_ENV, "").strip()
+    fma_max = min(int(env) if env else FMA_MAX_TOKENS, FMA_KERNEL_MAX_TOKENS)
+    if m <= fma_max:
+        return "fma"
+    return "decode" if m <= DECODE_MAX_TOKENS else "grouped"
 
 
 def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -341,17 +522,26 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     """gpt-oss routed experts: bf16 [M, H] = sum over the top-k experts of w_j * FFN_j(x).
 
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
-    (from the fused norm). router_logits: [M, E]. The path is chosen from M alone, so a captured
-    CUDA graph always replays the same kernels.
+    (from the fused norm). router_logits: [M, E]. The path is chosen from M alone
+    (``select_path``), so a captured CUDA graph always replays the same kernels; ``path`` forces
+    one ("fma": M <= FMA_KERNEL_MAX_TOKENS only).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
     m = x.shape[0]
-    if path == "decode" or (path == "auto" and m <= DECODE_MAX_TOKENS):
+    if path == "auto":
+        path = select_path(m)
+    if path == "fma" and m > FMA_KERNEL_MAX_TOKENS:
+        raise ValueError(f"path='fma' takes at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
+    if path in ("fma", "decode"):
         if x.dtype == torch.bfloat16:  # routing and the MXFP8 quantization of x in one launch
             topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous())
         else:
             topk_w, topk_ids = moe_route(router_logits, topk)
+        if path == "fma":
+            tiles = fma_tiles(x, m)
+            h, h_scale = moe_fc1_swiglu_fma(x, x_scale, w13, w13_scale, w13_bias, topk_ids, tiles)
+            return moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, tiles)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
     topk_w, topk_ids = moe_route(router_logits, topk)

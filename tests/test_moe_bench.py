@@ -96,3 +96,30 @@ def test_dry_run_exits_0(tmp_path):
     assert "Sm121Mxfp4MoEMethod" in proc.stdout  # sm121 ran through vLLM's FusedMoE layer
     assert "config ok: quantization gpt_oss_mxfp4, --moe-backend triton, 8 experts" in proc.stdout
     assert out.exists()
+
+
+def test_fma_provider_and_tile_sweep_options():
+    from vllm_sm121.kernels import moe as K
+
+    assert bench.FMA_MAX_M == K.FMA_KERNEL_MAX_TOKENS
+    assert {"sm121", "sm121_fma", "sm121_decode"} <= set(bench.PROVIDERS)
+    a = bench.parse_args(["--m", "1,4", "--providers", "sm121_fma,sm121_decode",
+                          "--fma-tiles", "64,256,32,256,8,1; 128,128,16,128,4,2"])
+    assert a.fma_tiles == ["64,256,32,256,8,1", "128,128,16,128,4,2"]
+    assert all(K.FmaTiles.parse(t) for t in a.fma_tiles)
+    assert bench.fc1_expert_bytes(a) + bench.fc2_expert_bytes(a) == bench.expert_bytes(a)
+
+
+def test_dry_run_fma_sweep(tmp_path):
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--m", "1,5", "--providers", "sm121_fma",
+                           "--no-refcheck", "--fma-tiles", "64,32,16,32,4,2", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "moe_block(path=fma)" in proc.stdout and "skipped: the fma path takes M <= 4" in proc.stdout
+    assert "fastest FMA tile at M=1: 64,32,16,32,4,2" in proc.stdout
+    recs = json.loads(out.read_text())["records"]
+    assert any(r.get("tile") == "64,32,16,32,4,2" and r["status"] == "ok" for r in recs)

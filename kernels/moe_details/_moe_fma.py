@@ -1,0 +1,306 @@
+"""Triton code for the CUDA-core (FMA) MoE decode GEMVs for very few tokens (launchers and
+references: ``kernels/moe.py``: ``moe_fc1_swiglu_fma`` / ``moe_fc2_combine_fma``).
+
+Why: at M <= 4 tokens a routed expert sees ~1 token, so the GEMMs are matrix-vector products
+whose cost is streaming the MXFP4 weights; padding the tokens to an MMA N of 16 (the
+``tl.dot_scaled`` decode kernels) buys nothing. Here the weights never leave registers:
+
+* Program (routed slot, tile of BLOCK_R weight rows) of ONE routed expert (``routed_tokens``: a
+  slot whose expert an earlier slot already has exits at once, so each expert's rows are read
+  once for all the tokens routed to it).
+* The rows are streamed along K as int32 words, a [BLOCK_R, 4 * BLOCK_G] tile per step (Triton
+  lays it out as 16-byte vectors per thread, BLOCK_G threads along K, the rest along rows): 4
+  words = 16 contiguous bytes = 32 e2m1 values = exactly one e8m0 scale group, so each thread
+  issues 16-byte vector loads, owns whole scale groups, and its other vectors are other rows of
+  the same groups (the activations it decodes serve all of them). The scales are loaded in the
+  layout of the group sums (``_stream_rows``): no layout conversion, no barrier in the loop.
+  Optionally (PREFETCH) the next step's weights are loaded before this step's math.
+* Decoding is 3 integer ops per value and no conversion instruction: nibble J of a word w is
+  ``((w << (28 - 4J)) >> 6) & 0x81C00000`` (arithmetic shift: the sign lands in bit 31, the 3
+  magnitude bits in bits 24..22), i.e. the fp32 e2m1 * 2**-126 (code 1 is an fp32 denormal:
+  Triton's PTX keeps denormals, no .ftz). e4m3 activation bytes likewise:
+  ``((x << (24 - 8J)) >> 4) & 0x87F00000`` = e4m3 * 2**-120, times 2**127 once. Products are
+  exact (2- and 4-bit significands), summed in fp32 per 32-value group, and each group sum is
+  multiplied by 2**(e8m0_w + e8m0_a - 254 + 119) (one exact power of two) into an fp32
+  [BLOCK_R, BLOCK_G] accumulator per token, reduced with ``tl.sum`` at the end.
+* Tokens (NT <= 4 of them, constexpr): the tokens routed to the program's expert are listed
+  first (``_user``), one accumulator each; user 0 always exists, users 1..3 are updated under a
+  uniform branch only where they exist, so the weight tile is loaded and decoded once per step
+  whatever the number of tokens, and the usual case (one token per expert) does one FMA per value.
+
+FC1's epilogue adds the bias, applies gpt-oss SwiGLU to the interleaved gate/up rows and
+writes MXFP8 (BLOCK_R = 64 rows -> 32 outputs = one MXFP8 block per program). FC2 writes fp32
+partials per (token, slot) exactly as ``_moe_fc2_kernel`` (zeros for a repeated slot), or per
+(token, slot, K split) with SPLIT > 1 (grid axis 2; the bias goes into split 0), summed in a
+fixed order by ``_moe_combine_kernel``: deterministic.
+
+Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions per weight value
+(3 integer for the decode, 1 FFMA, the rest activation decode / scales / addressing). Everything is plain loads, integer/fp32 arithmetic and ``tl.sum``
+(+ the e4m3 ``cvt`` of the FC1 epilogue when HW_FP8): no MMA, nothing sm_90-only.
+"""
+
+import triton
+import triton.language as tl
+
+from ..kv_cache_details._codecs import _pow2
+from ._mx import mxfp8_quantize_rows_fast, routed_tokens
+
+E2M1_MASK = tl.constexpr(-2118123520)  # 0x81C00000 as int32: sign bit + fp32 bits 24..22
+E4M3_MASK = tl.constexpr(-2014314496)  # 0x87F00000 as int32: sign bit + fp32 bits 26..20
+TWO_127 = tl.constexpr(1.7014118346046923e38)  # 2**127
+# group sum (units of 2**-119: e2m1 * 2**-126 times e4m3 * 2**7) -> value: 2**119 folded into
+# the scale exponent
+PROD_EXP = tl.constexpr(119)
+
+
+@triton.jit
+def _e2m1_nibble(w, J: tl.constexpr):
+    """Nibble J (0 = lowest) of int32 words -> fp32 e2m1 value * 2**-126 (exact; code 1 denormal)."""
+    return (((w << (28 - 4 * J)) >> 6) & E2M1_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_byte(x, J: tl.constexpr):
+    """Byte J (0 = lowest) of int32 words -> fp32 e4m3 value * 2**7 (exact; NaN codes not special)."""
+    return (((x << (24 - 8 * J)) >> 4) & E4M3_MASK).to(tl.float32, bitcast=True) * TWO_127
+
+
+@triton.jit
+def _user(uses, slot, offs_t, U: tl.constexpr):
+    """The U-th token (in token order) routed to the program's expert, as scalars: (exists,
+    token, its first slot there). User 0 always exists (the program's own slot routes there)."""
+    u = uses.to(tl.int32)
+    sel = (u > 0) & (tl.cumsum(u, 0) == U + 1)
+    return tl.sum(sel.to(tl.int32)) > 0, tl.sum(tl.where(sel, offs_t, 0)), tl.sum(tl.where(sel, slot, 0))
+
+
+@triton.jit
+def _group_dot(w, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """One token's contribution of a weight tile: [BLOCK_R, BLOCK_G] fp32 (true values).
+
+    w: [BLOCK_R, 4 * BLOCK_G] int32 words (8 e2m1 each; 4 words = one 32-value group),
+    w_exp: [BLOCK_R, BLOCK_G] int32 weight scale exponents; the token's activations are row
+    ``row`` of int32 e4m3 words [*, K/4] (2 per weight word) and e8m0 scales [*, K/32].
+    """
+    a_words = act_ptr + row * (K // 4) + (g0 * 4 + offs_c) * 2
+    lo = tl.load(a_words, mask=c_ok, other=0)  # values 8c .. 8c+3 of weight word c
+    hi = tl.load(a_words + 1, mask=c_ok, other=0)  # values 8c+4 .. 8c+7
+    s = _e2m1_nibble(w, 0) * _e4m3_byte(lo, 0)[None, :]
+    for j in tl.static_range(1, 4):
+        s += _e2m1_nibble(w, j) * _e4m3_byte(lo, j)[None, :]
+    for j in tl.static_range(4):
+        s += _e2m1_nibble(w, 4 + j) * _e4m3_byte(hi, j)[None, :]
+    a_exp = tl.maximum(tl.load(act_scale_ptr + row * (K // 32) + g0 + offs_g, mask=g_ok, other=127).to(tl.int32)
+                       - 127, -126)
+    e = tl.minimum(tl.maximum(w_exp + a_exp[None, :] + PROD_EXP, -126), 127)
+    return tl.sum(tl.reshape(s, [BLOCK_R, BLOCK_G, 4]), axis=2) * _pow2(e)
+
+
+@triton.jit
+def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0, r1, r2, r3, u1, u2, u3,
+                 g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr):
+    """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
+    up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
+    over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
+    Returns four fp32 [BLOCK_R] dot products (unused ones zero).
+
+    The weight tile is 2-D [BLOCK_R, 4 * BLOCK_G] words, contiguous along K, so each thread
+    loads 16-byte vectors (one scale group) and its repeats are other rows of the same groups:
+    the activations it decodes serve all of its rows."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, 4 * BLOCK_G)
+    w_base = w_ptr + w_rows[:, None] * (K // 8) + offs_c[None, :]
+    # The scales are loaded transposed, [BLOCK_G, BLOCK_R], one byte per thread and group ("(x * 3)
+    # // 3" hides the contiguity from Triton's axis analysis, so it neither vectorizes nor makes
+    # rows the fast dimension) and transposed back: that is the layout of the group sums, so the
+    # loop carries no layout conversion (a shared-memory round trip and barrier per step).
+    ws_base = w_scale_ptr + ((offs_g * 3) // 3)[:, None] + w_rows[None, :] * (K // 32)
+    acc0 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
+    if PREFETCH:
+        w_nxt = tl.load(w_base + g_lo * 4, mask=rows_ok[:, None] & (g_lo * 4 + offs_c[None, :] < K // 8), other=0)
+        ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
+    for gi in range(0, G_RANGE, BLOCK_G):
+        g0 = g_lo + gi
+        g_ok = g0 + offs_g < K // 32
+        c_ok = g0 * 4 + offs_c < K // 8
+        if PREFETCH:  # software pipelining by hand: the next step's loads are issued before this step's math
+            w = w_nxt
+            ws = ws_nxt
+            in_range = gi + BLOCK_G < G_RANGE  # the next step is this program's (not the next split's)
+            c_nxt = ((g0 + BLOCK_G) * 4 + offs_c < K // 8) & in_range
+            g_nxt = (g0 + BLOCK_G + offs_g < K // 32) & in_range
+            w_nxt = tl.load(w_base + (g0 + BLOCK_G) * 4, mask=rows_ok[:, None] & c_nxt[None, :], other=0)
+            ws_nxt = tl.load(ws_base + g0 + BLOCK_G, mask=rows_ok[None, :] & g_nxt[:, None], other=127)
+        else:
+            w = tl.load(w_base + g0 * 4, mask=rows_ok[:, None] & c_ok[None, :], other=0)
+            ws = tl.load(ws_base + g0, mask=rows_ok[None, :] & g_ok[:, None], other=127)
+        w_exp = tl.trans(tl.maximum(ws.to(tl.int32) - 127, -126))  # [BLOCK_R, BLOCK_G]
+        acc0 += _group_dot(w, act_ptr, act_scale_ptr, r0, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K, BLOCK_R, BLOCK_G)
+        if NT > 1:
+            if u1:
+                acc1 += _group_dot(w, act_ptr, act_scale_ptr, r1, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
+                                   BLOCK_R, BLOCK_G)
+        if NT > 2:
+            if u2:
+                acc2 += _group_dot(w, act_ptr, act_scale_ptr, r2, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
+                                   BLOCK_R, BLOCK_G)
+        if NT > 3:
+            if u3:
+                acc3 += _group_dot(w, act_ptr, act_scale_ptr, r3, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
+                                   BLOCK_R, BLOCK_G)
+    return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1)
+
+
+@triton.jit
+def _fc1_epilogue(h, use, tok, slot, bias, nb, out_ptr, out_scale_ptr, I: tl.constexpr, TOPK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, HW_FP8: tl.constexpr):
+    """bias + SwiGLU of interleaved gate/up rows h [BLOCK_R] -> MXFP8 row tok * TOPK + slot of out."""
+    gate, up = tl.split(tl.reshape(h + bias, [BLOCK_R // 2, 2]))
+    gate = tl.minimum(gate, LIMIT)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    y = (up + 1.0) * gate * tl.sigmoid(ALPHA * gate)
+    codes, scales = mxfp8_quantize_rows_fast(tl.reshape(y, [1, BLOCK_R // 2]), 1, BLOCK_R // 64, HW_FP8)
+    out_row = tok.to(tl.int64) * TOPK + slot
+    offs_n = nb * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
+    tl.store(out_ptr + out_row * I + offs_n[None, :], codes, mask=use & (offs_n[None, :] < I))
+    offs_s = nb * (BLOCK_R // 64) + tl.arange(0, BLOCK_R // 64)
+    tl.store(out_scale_ptr + out_row * (I // 32) + offs_s[None, :], scales, mask=use & (offs_s[None, :] < I // 32))
+
+
+@triton.jit
+def _moe_fc1_swiglu_fma_kernel(
+    a_ptr,  # [M, K / 4] int32: MXFP8 e4m3 activations viewed as words
+    a_scale_ptr,  # [M, K / 32] uint8 e8m0
+    w_ptr,  # [E, 2I, K / 8] int32: the e2m1 pairs (low nibble = even k) viewed as words
+    w_scale_ptr,  # [E, 2I, K / 32] uint8 e8m0
+    bias_ptr,  # [E, 2I] bf16
+    topk_ids_ptr,  # [M, TOPK] int32
+    out_ptr,  # [M * TOPK, I] uint8 e4m3: SwiGLU output (MXFP8), row = token * TOPK + slot
+    out_scale_ptr,  # [M * TOPK, I / 32] uint8 e8m0
+    M,  # tokens (<= NT)
+    E: tl.constexpr,
+    K: tl.constexpr,  # multiple of 64
+    I: tl.constexpr,  # multiple of BLOCK_R / 2
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    NT: tl.constexpr,  # token accumulators (1..4, >= M)
+    BLOCK_T: tl.constexpr,  # power of two >= NT
+    BLOCK_R: tl.constexpr,  # weight rows per program: a power of two >= 64 (whole MXFP8 output blocks)
+    BLOCK_G: tl.constexpr,  # 32-value groups (16 bytes of a row) per K step, power of two
+    PREFETCH: tl.constexpr,  # load the next K step's weights before this step's math
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    p = tl.program_id(0)
+    if p >= M * TOPK:
+        return
+    expert, first, uses, slot, _hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
+    if not first:
+        return
+    nb = tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    u0, t0, s0 = _user(uses, slot, offs_t, 0)
+    u1, t1, s1 = _user(uses, slot, offs_t, 1)
+    u2, t2, s2 = _user(uses, slot, offs_t, 2)
+    u3, t3, s3 = _user(uses, slot, offs_t, 3)
+    rows = nb * BLOCK_R + tl.arange(0, BLOCK_R)  # interleaved: 2i gate, 2i+1 up
+    row_ok = rows < 2 * I
+    w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)  # rows past 2I: read row 2I-1, never stored
+    h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
+                                  u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH)
+    bias = tl.load(bias_ptr + w_rows).to(tl.float32)
+    _fc1_epilogue(h0, u0, t0, s0, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
+    if NT > 1:
+        _fc1_epilogue(h1, u1, t1, s1, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
+    if NT > 2:
+        _fc1_epilogue(h2, u2, t2, s2, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
+    if NT > 3:
+        _fc1_epilogue(h3, u3, t3, s3, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
+
+
+@triton.jit
+def _fc2_epilogue(y, tok, slot, hit, offs_j, topk_w_ptr, part_ptr, rows, row_ok, split, H: tl.constexpr,
+                  TOPK: tl.constexpr, SPLIT: tl.constexpr):
+    """w * y into partial row (tok * TOPK + slot) * SPLIT + split; zeros into the token's other
+    slots routed to the same expert (their weights are summed here), so the combine sums every
+    (slot, split) once."""
+    rw = tl.sum(tl.load(topk_w_ptr + tok * TOPK + offs_j, mask=hit, other=0.0))
+    val = y * rw
+    for j in tl.static_range(TOPK):
+        hit_j = tl.sum(tl.where(offs_j == j, hit.to(tl.int32), 0)) > 0
+        v = tl.where(slot == j, val, 0.0)
+        tl.store(part_ptr + ((tok.to(tl.int64) * TOPK + j) * SPLIT + split) * H + rows, v, mask=hit_j & row_ok)
+
+
+@triton.jit
+def _hit_row(hit, offs_t, tok):
+    """Row ``tok`` of hit [BLOCK_T, TOPK_PAD] as a [TOPK_PAD] bool vector."""
+    return tl.sum(tl.where(offs_t[:, None] == tok, hit.to(tl.int32), 0), axis=0) > 0
+
+
+@triton.jit
+def _moe_fc2_fma_kernel(
+    h_ptr,  # [M * TOPK, I / 4] int32: FC1 output (MXFP8 e4m3) viewed as words, row = token * TOPK + slot
+    h_scale_ptr,  # [M * TOPK, I / 32] uint8 e8m0
+    w_ptr,  # [E, H, I / 8] int32: e2m1 pairs viewed as words
+    w_scale_ptr,  # [E, H, I / 32] uint8 e8m0
+    bias_ptr,  # [E, H] bf16
+    topk_ids_ptr,  # [M, TOPK] int32
+    topk_w_ptr,  # [M, TOPK] fp32
+    part_ptr,  # [M * TOPK * SPLIT, H] fp32: w_j * (h_j @ W2[e_j]^T (this split's K range) + b2[e_j] (split 0))
+    M,
+    E: tl.constexpr,
+    H: tl.constexpr,
+    I: tl.constexpr,  # multiple of 64
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    NT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows of H per program, power of two
+    BLOCK_G: tl.constexpr,
+    SPLIT: tl.constexpr,  # K splits (grid axis 2)
+    GPS: tl.constexpr,  # 32-value groups per split: a multiple of BLOCK_G, SPLIT * GPS >= I / 32
+    PREFETCH: tl.constexpr,
+):
+    p = tl.program_id(0)
+    if p >= M * TOPK:
+        return
+    expert, first, uses, slot, hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
+    if not first:
+        return
+    if SPLIT == 1:
+        split = 0
+    else:
+        split = tl.program_id(2)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_j = tl.arange(0, TOPK_PAD)
+    _u0, t0, s0 = _user(uses, slot, offs_t, 0)
+    u1, t1, s1 = _user(uses, slot, offs_t, 1)
+    u2, t2, s2 = _user(uses, slot, offs_t, 2)
+    u3, t3, s3 = _user(uses, slot, offs_t, 3)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < H
+    w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: read row H-1, never stored
+    y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
+                                  t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
+                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH)
+    bias = tl.load(bias_ptr + w_rows).to(tl.float32)
+    if SPLIT > 1:
+        bias = tl.where(split == 0, bias, 0.0)  # the bias goes into split 0's partial only
+    _fc2_epilogue(y0 + bias, t0, s0, _hit_row(hit, offs_t, t0), offs_j, topk_w_ptr, part_ptr, rows, row_ok, split,
+                  H, TOPK, SPLIT)
+    if NT > 1:
+        _fc2_epilogue(y1 + bias, t1, s1, _hit_row(hit, offs_t, t1), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u1,
+                      split, H, TOPK, SPLIT)
+    if NT > 2:
+        _fc2_epilogue(y2 + bias, t2, s2, _hit_row(hit, offs_t, t2), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u2,
+                      split, H, TOPK, SPLIT)
+    if NT > 3:
+        _fc2_epilogue(y3 + bias, t3, s3, _hit_row(hit, offs_t, t3), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u3,
+                      split, H, TOPK, SPLIT)
