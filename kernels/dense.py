@@ -23,8 +23,11 @@ Instructions (``python -m vllm_sm121.kernels.aot``): weights arrive through 16-b
     on sm_90a at decode; sm_90a prefill tiles become ``wgmma m64n64k16``.
 
 Limitations
-    CPU-tested (interpreter: fp32 tl.dot, DOT_FP32) and AOT-compiled; not yet run or timed on a
-    GPU. Activations are bf16 (the fused norm's MXFP8 output is not consumed yet). No split-K: at
+    Matches its reference on an H100 (GPU tests) and in vLLM end to end; timed there
+    (``benchmarks/dense.py``, gpt-oss-120b shapes, M = 1): qkv 19.5 us and o 17.8 us, slower than
+    cuBLAS bf16 (13.7 / 13.9 us) although it reads half the bytes (~25% of the copy bandwidth:
+    too few programs and per-byte upcast work); lm_head 346 us with the default tile, 222 us with
+    the wide-layer tile now used on sm_90 (cuBLAS bf16 410 us). Activations are bf16 (the fused norm's MXFP8 output is not consumed yet). No split-K: at
     M = 1 qkv (N = 5120) is 160 programs and o (N = 2880) 90 programs of BLOCK_N = 32 rows, which
     may under-fill a 132-SM H100 (GB10 has 48 SMs). MXFP8 / MXFP4 weights have torch references
     only.
@@ -45,7 +48,7 @@ from .nvfp4 import _e2m1_codes_torch
 FP8_MAX = 448.0
 MX_BLOCK = 32
 
-# performance hyper-parameters (not yet measured on a GPU).
+# performance hyper-parameters (the defaults were set before any GPU run; see WIDE_* below).
 # Decode (M <= DECODE_MAX_M): one token tile of 16 (the smallest tl.dot N), 32 weight rows per
 # program (qkv 160, o 90, lm_head 6284 programs), K in 256-byte steps per row (2880 = 11.25
 # steps, the last masked), 3-stage cp.async pipeline: 3 x 32 x 256 B = 24 KB of weights in flight.
@@ -55,6 +58,12 @@ DECODE_BLOCK_N = 32
 DECODE_BLOCK_K = 256
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# Decode of very wide layers (lm_head, N = 201088) on sm_90: 64 rows x 128-byte K steps. H100 tile
+# sweep at M = 1 (results/dense-sweep, commit 86635e0+): 222 us against 348 us for the default
+# tile (cuBLAS bf16: 410 us); qkv / o were no faster with it. Not measured on sm_12x.
+WIDE_N = 65536
+WIDE_BLOCK_N = 64
+WIDE_BLOCK_K = 128
 # Prefill: 128 x 64 output tiles, K in 64-element steps (the MoE grouped GEMMs' shape).
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 128
@@ -174,6 +183,8 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     else:
         bm, bn, bk, warps, stages = (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS,
                                      PREFILL_NUM_STAGES)
+    if m <= DECODE_MAX_M and n >= WIDE_N and _platform.family_of(x) == _platform.SM90:
+        bn, bk = WIDE_BLOCK_N, WIDE_BLOCK_K
     if not gpu:  # the interpreter: small tiles keep CPU runs fast
         bn, bk = 16, 32
     bk = min(bk, V._next_pow2(k))

@@ -146,5 +146,5 @@ def test_sm121_options_are_validated_when_layers_are_built(monkeypatch):
     build({"other_plugin": {"x": 1}})
     with pytest.raises(ValueError, match="unknown option"):
         build({"sm121": {"mo": "upstream"}})
-    with pytest.raises(ValueError, match="'dense_weights': 'fp8' is not implemented"):
-        build({"sm121": {"dense_weights": "fp8"}})
+    with pytest.raises(ValueError, match="'dense_weights': 'mxfp4' is not implemented"):
+        build({"sm121": {"dense_weights": "mxfp4"}})

@@ -25,9 +25,9 @@ class FakeLinear(torch.nn.Module):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("method_cls", [M.Sm121DenseFp8LinearMethod, M.Sm121DenseFp8LMHeadMethod])
-def test_process_weights_after_loading_then_apply(method_cls):
+def test_process_weights_after_loading_then_apply(method_cls, device):
     torch.manual_seed(0)
-    layer = FakeLinear(40, 64, method_cls())
+    layer = FakeLinear(40, 64, method_cls()).to(device)
     w_bf16 = layer.weight.detach().clone()
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape == (40, 64)
@@ -35,8 +35,8 @@ def test_process_weights_after_loading_then_apply(method_cls):
     assert not layer.weight.requires_grad
     assert [n for n, p in layer.named_parameters() if p.dtype == torch.bfloat16] == []  # bf16 copy freed
     layer.quant_method.process_weights_after_loading(layer)  # idempotent
-    x = torch.randn(2, 3, 64).bfloat16()
-    bias = torch.randn(40).bfloat16()
+    x = torch.randn(2, 3, 64).bfloat16().to(device)
+    bias = torch.randn(40).bfloat16().to(device)
     out = layer(x, bias)
     assert out.shape == (2, 3, 40) and out.dtype == torch.bfloat16
     ref = dense_fp8_linear_torch(x.view(6, 64), layer.weight, layer.weight_scale, bias).view(2, 3, 40)
@@ -85,9 +85,11 @@ def test_dense_quant_method_for():
         assert M.dense_quant_method_for(layer, prefix, bf16) is None
 
 
-def test_option_stays_refused():
+def test_option_fp8_accepted_mxfp4_refused():
     from vllm_sm121 import config
 
-    assert config.OPTIONS["dense_weights"].implemented == ("bf16",)
-    with pytest.raises(ValueError, match="not implemented"):
-        config.parse({"sm121": {"dense_weights": "fp8"}})
+    assert config.OPTIONS["dense_weights"].implemented == ("bf16", "fp8")
+    assert config.parse({"sm121": {"dense_weights": "fp8"}}).dense_weights == "fp8"
+    with pytest.raises(ValueError, match=r"""'dense_weights': 'mxfp4' is not implemented in this vllm-sm121 release; """
+                                         r"supported now: bf16, fp8"):
+        config.parse({"sm121": {"dense_weights": "mxfp4"}})

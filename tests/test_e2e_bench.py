@@ -249,7 +249,9 @@ def test_dry_run_20b_writes_json(tmp_path):
     assert kws["upstream-triton"]["attention_backend"] == "TRITON_ATTN"
     assert kws["sm121-fp8kv"]["kv_cache_dtype"] == "fp8"
     assert kws["sm121-nvfp4kv"]["kv_cache_dtype"] == "nvfp4"
-    rows = {(r["point"], r["kv_dtype"]): r for r in m["bytes_table"]}
+    rows = {(r["point"], r["kv_dtype"]): r for r in m["bytes_table"] if r["dense_weights"] == "bf16"}
+    fp8dense = [r for r in m["bytes_table"] if r["dense_weights"] == "fp8"]
+    assert fp8dense and all(r["per_token"] < rows[(r["point"], r["kv_dtype"])]["per_token"] for r in fp8dense)
     assert (
         rows[("tg128@32k", "nvfp4")]["per_token"]
         < rows[("tg128@32k", "fp8")]["per_token"]

@@ -57,6 +57,21 @@ SHIMS: list[Shim] = [
         removal="once upstream lets a MoE quant method consume the post-attention norm (the patch), move "
                 "hooked_mlp_forward into Sm121Mxfp4MoEMethod.fused_norm_moe_forward and drop the block class",
     ),
+    Shim(
+        symbol="vllm.model_executor.models.gpt_oss.GptOssForCausalLM.__init__ (wrapped)",
+        why="gpt-oss builds its lm_head with no quant config, so nothing public can give it a quant method, "
+            "and the stock gpt-oss MXFP4 config hands qkv_proj / o_proj to UnquantizedLinearMethod; "
+            '"dense_weights": "fp8" needs all three on vllm_sm121.dense.method\'s FP8 methods before loading.',
+        how="Wrap GptOssForCausalLM.__init__ right after gpt_oss.py is imported (every process): after the "
+            "upstream constructor, vllm_sm121.dense.hook.apply_dense_weights swaps the quant_method of "
+            "qkv_proj / o_proj (UnquantizedLinearMethod) and lm_head (UnquantizedEmbeddingMethod) for ours when "
+            "the config's sm121.dense_weights is fp8 (else it does nothing). Weights are created by upstream "
+            "code either way; vLLM's process_weights_after_loading converts them.",
+        patch="0005-gpt-oss-lm-head-quant-config.patch",
+        removal="once upstream builds gpt-oss's lm_head with the model's quant config (the patch), choose the "
+                "three methods in the plugin's gpt-oss quant config (get_quant_method -> "
+                "dense.method.dense_quant_method_for) and drop the wrapper",
+    ),
 ]
 
 
@@ -119,7 +134,7 @@ def on_import(name: str, fn) -> None:
 
     if name in sys.modules:
         fn(sys.modules[name])
-    elif not any(isinstance(h, _PostImportHook) and h.name == name for h in sys.meta_path):
+    elif not any(isinstance(h, _PostImportHook) and h.name == name and h.fn is fn for h in sys.meta_path):
         sys.meta_path.insert(0, _PostImportHook(name, fn))
 
 
@@ -168,3 +183,27 @@ def _install_gpt_oss_block(module) -> None:
 def register_gpt_oss_fused_moe_block() -> None:
     """Shim 0004: gpt-oss blocks whose experts run Sm121Mxfp4MoEMethod feed them the norm's MXFP8."""
     on_import("vllm.model_executor.models.gpt_oss", _install_gpt_oss_block)
+
+
+def _install_gpt_oss_dense_hook(module) -> None:
+    import functools
+
+    cls = module.GptOssForCausalLM
+    original = cls.__init__
+    if getattr(original, "_sm121_shim", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, prefix: str = ""):  # upstream's signature (vLLM inspects it)
+        original(self, vllm_config=vllm_config, prefix=prefix)
+        from vllm_sm121.dense.hook import apply_dense_weights
+
+        apply_dense_weights(self, vllm_config)
+
+    __init__._sm121_shim = True
+    cls.__init__ = __init__
+
+
+def register_gpt_oss_dense_weights() -> None:
+    """Shim 0005: gpt-oss's qkv_proj / o_proj / lm_head get FP8 methods when "dense_weights" is "fp8"."""
+    on_import("vllm.model_executor.models.gpt_oss", _install_gpt_oss_dense_hook)

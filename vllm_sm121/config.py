@@ -31,8 +31,9 @@ OPTIONS: dict[str, Option] = {
         Option("moe", ("mxfp8", "upstream"), ("upstream",), None,
                "gpt-oss MXFP4 experts with MXFP8 activations (on by default for gpt-oss MXFP4 checkpoints "
                "with --attention-backend SM121 once vllm_sm121.moe.READY; see resolve_moe); 'upstream' keeps vLLM's MoE"),
-        Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16",), "bf16",
-               "qkv / o / lm_head weight format"),
+        Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16", "fp8"), "bf16",
+               "gpt-oss qkv / o / lm_head weight format ('fp8': e4m3 + one fp32 scale per output channel, "
+               "converted at load time; vllm_sm121/dense/)"),
         Option("cudagraph", ("upstream", "whole_model"), ("upstream",), "upstream",
                "'whole_model': one graph replay per decode step (sampler and drafter included)"),
     )

@@ -10,13 +10,17 @@ Architecture
     torch.compile and CUDA graphs trace it like the MoE ops.
 
 Constraints
-    in_features a multiple of 16 (gpt-oss: 2880 and 4096). Tensor parallelism works as upstream
-    (each rank converts its own shard; scales are per row). Activations are bf16.
+    in_features a multiple of 16 (gpt-oss: 2880 and 4096). Activations are bf16. The methods
+    themselves are tensor-parallel-agnostic (each rank would convert its own shard; scales are
+    per row), but the hook (``hook.py``) refuses TP/PP > 1 until that has run.
+
+Wiring
+    ``hook.apply_dense_weights`` installs them on gpt-oss after construction, before loading,
+    when ``--additional-config '{"sm121": {"dense_weights": "fp8"}}'`` (``vllm_sm121/dense/__init__.py``).
 
 Limitations
-    Not wired into vLLM's config path: ``config.OPTIONS["dense_weights"]`` implements only
-    "bf16" until the kernels have been run on a GPU (``vllm_sm121/dense/__init__.py`` says
-    where the hooks go). No "mxfp4" method yet.
+    No "mxfp4" method yet (the option value is refused). A converted layer cannot reload its
+    weights in place (the bf16 parameter and its ``weight_loader`` are gone).
 
 upstream file: ``vllm/model_executor/layers/quantization/fp8.py`` (``Fp8LinearMethod``: weights
 quantized after loading when the checkpoint is not fp8).
