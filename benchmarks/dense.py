@@ -48,8 +48,6 @@ import argparse
 import importlib.util
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -329,14 +327,9 @@ def print_table(records: list[dict], args, copy_gbps: float | None) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print(NO_CUDA_MESSAGE, file=sys.stderr)
+    device = _moe.pick_device(args.dry_run, NO_CUDA_MESSAGE)
+    if device is None:
         return 2
-    else:
-        device = torch.device("cuda")
     copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
     head = _moe.header(device, copy_gbps)
     head["benchmark"] = "dense"

@@ -463,16 +463,22 @@ def moe_route_torch_ids(logits, topk):
     return moe_route_torch(logits, topk)[1]
 
 
+def pick_device(dry_run: bool, no_cuda_message: str):
+    """CPU + the Triton interpreter for a dry run, else CUDA; None (message printed) without a GPU."""
+    if dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(no_cuda_message, file=sys.stderr)
+        return None
+    return torch.device("cuda")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print(NO_CUDA_MESSAGE, file=sys.stderr)
+    device = pick_device(args.dry_run, NO_CUDA_MESSAGE)
+    if device is None:
         return 2
-    else:
-        device = torch.device("cuda")
     from vllm_sm121.kernels.moe import moe_block_torch, moe_route_torch
 
     weights = make_weights(args, device)

@@ -102,3 +102,9 @@ def make_paged_batch(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+
+
+def logprob_gap(a, b) -> tuple[float, float]:
+    """Mean and p99 of |delta logprob| over all scored tokens of two runs (lists of 1-D tensors)."""
+    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
+    return d.mean().item(), torch.quantile(d, 0.99).item()

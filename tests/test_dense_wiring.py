@@ -27,7 +27,7 @@ import types
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, logprob_gap
 
 from vllm_sm121 import compat
 from vllm_sm121.dense import hook
@@ -311,9 +311,7 @@ def _prompt_logprobs(ckpt, dense: str, prompts, graphs: bool):
         torch.cuda.empty_cache()
 
 
-def _diffs(a, b) -> tuple[float, float]:
-    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
-    return d.mean().item(), torch.quantile(d, 0.99).item()
+_diffs = logprob_gap
 
 
 def _fake_quant_copy(ckpt: str, dst: pathlib.Path) -> str:

@@ -16,6 +16,7 @@ import pathlib
 
 import pytest
 import torch
+from helpers import logprob_gap
 
 pytestmark = pytest.mark.gpu
 
@@ -77,10 +78,7 @@ def _run(checkpoint, backend, prompts, *, graphs=False, gen=0, fault=None, kv_ca
         torch.cuda.empty_cache()
 
 
-def _diffs(a, b) -> tuple[float, float]:
-    """Mean and p99 of |delta logprob| over all scored tokens."""
-    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
-    return d.mean().item(), torch.quantile(d, 0.99).item()
+_diffs = logprob_gap
 
 
 def _within(gap, spread) -> bool:
