@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import socket
 
 import torch
 
@@ -108,3 +110,27 @@ def logprob_gap(a, b) -> tuple[float, float]:
     """Mean and p99 of |delta logprob| over all scored tokens of two runs (lists of 1-D tensors)."""
     d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
     return d.mean().item(), torch.quantile(d, 0.99).item()
+
+
+@contextlib.contextmanager
+def one_rank_groups(vllm_config):
+    """vLLM's distributed groups for one CPU rank (gloo on a free loopback port), torn down after;
+    a no-op where an earlier test already set them up."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    owns = not ps.model_parallel_is_initialized()
+    if owns:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with set_current_vllm_config(vllm_config):
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                            distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ps.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        if owns:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()

@@ -21,13 +21,12 @@ import inspect
 import itertools
 import os
 import pathlib
-import socket
 import sys
 import types
 
 import pytest
 import torch
-from helpers import assert_close, logprob_gap
+from helpers import assert_close, logprob_gap, one_rank_groups
 
 from vllm_sm121 import compat
 from vllm_sm121.dense import hook
@@ -40,17 +39,10 @@ FP8 = {"sm121": {"dense_weights": "fp8"}}
 _seeds = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def env():
     """gpt-oss with stand-in attention kernel / MoE, the shim installed, one-rank groups; undone after."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.models import gpt_oss
 
@@ -84,18 +76,8 @@ def env():
         mp.setattr(gpt_oss.GptOssModel, "block_cls", Block)
         mp.setattr(gpt_oss.GptOssForCausalLM, "__init__", gpt_oss.GptOssForCausalLM.__init__)  # restored after
         compat.register_gpt_oss_dense_weights()  # gpt_oss.py is imported: wraps at once
-        owns_dist = not ps.model_parallel_is_initialized()
-        if owns_dist:
-            with set_current_vllm_config(vllm_config()):
-                ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-                ps.initialize_model_parallel(1, 1)
-        try:
+        with one_rank_groups(vllm_config()):
             yield types.SimpleNamespace(vllm_config=vllm_config, gpt_oss=gpt_oss)
-        finally:
-            if owns_dist:
-                ps.destroy_model_parallel()
-                ps.destroy_distributed_environment()
 
 
 def build(env, additional=None, **overrides):

@@ -10,11 +10,11 @@ platform). The shim's patch applying to vLLM 0.26.0 is checked by ``tests/test_c
 
 import dataclasses
 import itertools
-import socket
 import types
 
 import pytest
 import torch
+from helpers import one_rank_groups
 from test_moe_block import assert_block_close, fill_random_mxfp4_, rel_l2
 
 from vllm_sm121 import compat, moe
@@ -40,17 +40,10 @@ class _StandInAttention(torch.nn.Module):
         return hidden_states * 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def env():
     """READY on (as tests of the gated MoE do), the shim installed, one-rank groups; undone after."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.models import gpt_oss
 
     from vllm_sm121 import config
@@ -68,18 +61,8 @@ def env():
                               additional_config={"sm121": {"moe": moe_option}})
 
         cfgs = {name: vllm_config(name) for name in ("mxfp8", "upstream")}
-        owns_dist = not ps.model_parallel_is_initialized()
-        if owns_dist:
-            with set_current_vllm_config(cfgs["mxfp8"]):
-                ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-                ps.initialize_model_parallel(1, 1)
-        try:
+        with one_rank_groups(cfgs["mxfp8"]):
             yield types.SimpleNamespace(cfgs=cfgs, gpt_oss=gpt_oss)
-        finally:
-            if owns_dist:
-                ps.destroy_model_parallel()
-                ps.destroy_distributed_environment()
 
 
 def build_block(env, moe_option: str, seed: int = 0):
