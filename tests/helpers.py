@@ -134,3 +134,27 @@ def one_rank_groups(vllm_config):
         if owns:
             ps.destroy_model_parallel()
             ps.destroy_distributed_environment()
+
+
+def greedy_agreement(pass0, pass1, tie: float = 0.05):
+    """Compare two greedy passes over the same prompts position by position, up to each
+    sequence's first differing token (after it the contexts differ and nothing is comparable).
+
+    Returns (|delta logprob| of the chosen token over the common positions, list of divergences).
+    At a divergence the two chosen tokens must be a near-tie in BOTH passes: each pass's token is
+    in the other's top-k with a logprob within ``tie`` of that pass's best; else it is recorded
+    as a real divergence (returned as (seq, pos, margin0, margin1)).
+    """
+    deltas, bad = [], []
+    for s, (steps0, steps1) in enumerate(zip(pass0, pass1)):
+        for pos, ((t0, d0), (t1, d1)) in enumerate(zip(steps0, steps1)):
+            if t0 == t1:
+                deltas.append(abs(d0[t0].logprob - d1[t1].logprob))
+                continue
+            m0 = d0[t0].logprob - d0[t1].logprob if t1 in d0 else float("inf")
+            m1 = d1[t1].logprob - d1[t0].logprob if t0 in d1 else float("inf")
+            deltas.append(abs(d0[t0].logprob - d1[t1].logprob))  # both are their pass's best
+            if m0 > tie or m1 > tie:
+                bad.append((s, pos, m0, m1))
+            break
+    return torch.tensor(deltas), bad

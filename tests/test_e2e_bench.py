@@ -399,3 +399,23 @@ def test_tg_estimate_ignores_host_stalls():
     clean = e2e.tg_estimate([0.1, 0.1], [0.1 + (n - 1) * step] * 2, n, 1)
     assert "suspect" not in clean and clean["ms_per_step"] == pytest.approx(step * 1e3)
     assert e2e.tg_estimate([1.0], [0.5], n, 1)["tok_s"] is None
+
+
+def test_greedy_agreement_tolerates_near_tie_flips_only():
+    """The nvfp4 prefix-cache GPU test's comparison: positions up to each sequence's first flip,
+    and a flip must be a near-tie in both passes."""
+    import types
+
+    from helpers import greedy_agreement
+
+    lp = lambda **d: {int(k[1:]): types.SimpleNamespace(logprob=v) for k, v in d.items()}  # noqa: E731
+    same = [[(5, lp(t5=-0.1, t7=-2.0)), (7, lp(t7=-0.2))]]
+    d, bad = greedy_agreement(same, same)
+    assert d.tolist() == [0.0, 0.0] and bad == []
+    tie0 = [[(5, lp(t5=-0.69, t7=-0.70)), (1, lp(t1=-0.1))]]
+    tie1 = [[(7, lp(t7=-0.69, t5=-0.70)), (2, lp(t2=-0.1))]]
+    d, bad = greedy_agreement(tie0, tie1)
+    assert d.numel() == 1 and bad == []  # compared up to the flip only
+    far1 = [[(7, lp(t7=-0.1, t5=-3.0)), (2, lp(t2=-0.1))]]
+    _, bad = greedy_agreement(tie0, far1)
+    assert bad and bad[0][:2] == (0, 0)

@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 import torch
-from helpers import logprob_gap
+from helpers import greedy_agreement, logprob_gap
 
 pytestmark = pytest.mark.gpu
 
@@ -179,30 +179,6 @@ def test_quantized_kv_logprobs_reported(model, tmp_path_factory):
     assert gaps["nvfp4"][0] > 0.5 * gaps["fp8"][0], gaps
 
 
-def _greedy_agreement(pass0, pass1, tie: float = 0.05):
-    """Compare two greedy passes over the same prompts position by position, up to each
-    sequence's first differing token (after it the contexts differ and nothing is comparable).
-
-    Returns (|delta logprob| of the chosen token over the common positions, list of divergences).
-    At a divergence the two chosen tokens must be a near-tie in BOTH passes: each pass's token is
-    in the other's top-k with a logprob within ``tie`` of that pass's best; else it is recorded
-    as a real divergence (returned as (seq, pos, margin0, margin1)).
-    """
-    deltas, bad = [], []
-    for s, (steps0, steps1) in enumerate(zip(pass0, pass1)):
-        for pos, ((t0, d0), (t1, d1)) in enumerate(zip(steps0, steps1)):
-            if t0 == t1:
-                deltas.append(abs(d0[t0].logprob - d1[t1].logprob))
-                continue
-            m0 = d0[t0].logprob - d0[t1].logprob if t1 in d0 else float("inf")
-            m1 = d1[t1].logprob - d1[t0].logprob if t0 in d1 else float("inf")
-            deltas.append(abs(d0[t0].logprob - d1[t1].logprob))  # both are their pass's best
-            if m0 > tie or m1 > tie:
-                bad.append((s, pos, m0, m1))
-            break
-    return torch.tensor(deltas), bad
-
-
 def test_nvfp4_prefix_cache_and_graphs():
     """nvfp4 KV with prefix caching and FULL_AND_PIECEWISE graphs: a second pass over the same
     prompts reuses the cached nvfp4 blocks and decodes with the same logprobs as the first pass
@@ -232,7 +208,7 @@ def test_nvfp4_prefix_cache_and_graphs():
         torch.cuda.empty_cache()
     print(f"\nnvfp4 prefix cache: cached tokens pass 1 {cached[0]}, pass 2 {cached[1]}")
     assert all(c >= (len(p) // 16 - 1) * 16 for c, p in zip(cached[1], prompts)), "second pass did not hit the cache"
-    deltas, bad = _greedy_agreement(*passes)
+    deltas, bad = greedy_agreement(*passes)
     flips = sum(1 for a, b in zip(*passes) if [t for t, _ in a] != [t for t, _ in b])
     print(f"nvfp4 prefix-cached pass vs cold pass (graphs): |delta logprob| over {deltas.numel()} common "
           f"positions mean {deltas.mean().item():.4g} max {deltas.max().item():.4g}; "
