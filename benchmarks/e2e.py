@@ -80,8 +80,8 @@ import argparse
 import collections
 import copy
 import dataclasses
-import gc
 import datetime
+import gc
 import importlib.metadata
 import inspect
 import json
