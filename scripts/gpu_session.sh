@@ -51,6 +51,9 @@ for step in "$@"; do
          grep -E "^\[|nvfp4|Error|passed|failed" "$OUT/e2e_kv.log" | head -n 40; (exit $r) ;;
     moebench) python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 80 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
+    densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
+    densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
+    moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;
