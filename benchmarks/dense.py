@@ -15,7 +15,12 @@ Shapes (gpt-oss-120b; weights [N, K], vLLM layout: output channels are rows)
 
 Providers
     sm121             ``kernels.dense.dense_fp8_linear``: e4m3 weights + one fp32 scale per output
-                      channel, bf16 activations (what ``"dense_weights": "fp8"`` runs).
+                      channel, bf16 activations (what ``"dense_weights": "fp8"`` runs; path="auto":
+                      the MMA kernel above; the FMA GEMV for M <= $VLLM_SM121_DENSE_FMA_MAX_M, off
+                      by default).
+    sm121_fma         the same with path="fma" (the CUDA-core GEMV; M <= 4 only, larger M are
+                      recorded "unavailable"). ``--providers sm121_fma,sm121`` times FMA against
+                      MMA at M <= 4.
     cublas_bf16       ``torch.nn.functional.linear`` on the bf16 weights (cuBLAS; stock vLLM).
     torch_scaled_mm   ``torch._scaled_mm`` row-wise: same e4m3 weights and per-channel scales, the
                       activations quantized per token (``vllm._custom_ops.scaled_fp8_quant``, timed).
@@ -56,9 +61,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (5120, 2880, True), "o": (2880, 4096, True), "lm_head": (201088, 2880, False)}  # N, K, bias
 DRY_SHAPES = {"qkv": (80, 64, True), "o": (64, 64, True), "lm_head": (200, 64, False)}
-PROVIDERS = ("sm121", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8", "vllm_fp8_marlin")
+PROVIDERS = ("sm121", "sm121_fma", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8", "vllm_fp8_marlin")
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64)
 MIN_CALLS = 16
+FMA_MAX_M = 4  # kernels.dense.DENSE_FMA_KERNEL_MAX_M (not imported here: the module loads without vLLM)
 L2_MULTIPLE = 4
 NO_CUDA_MESSAGE = "benchmarks/dense.py needs a CUDA GPU (use --dry-run on the CPU)"
 
@@ -155,7 +161,10 @@ def make_provider(provider: str, wts: dict, copies: int):
     sets = _sets(wts, ("codes", "scale", "bias"), copies, clone_first=provider == "vllm_fp8_marlin")
     if provider == "sm121":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"]), deq8,
-                "e4m3 W x bf16 A, Triton (kernels/dense.py)")
+                "e4m3 W x bf16 A, Triton (kernels/dense.py, path=auto)")
+    if provider == "sm121_fma":
+        return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="fma"),
+                deq8, "e4m3 W x bf16 A, Triton CUDA-core GEMV (kernels/dense.py, path=fma)")
     if provider == "torch_scaled_mm":
         for s in sets:
             s["wt"], s["sb"] = s["codes"].t(), s["scale"].view(1, -1)
@@ -271,6 +280,9 @@ def run(args, device) -> tuple[list[dict], dict]:
                 records += [{**base, "m": m, "status": f"unavailable: {_short(e)}"} for m in args.m]
                 continue
             for m in args.m:
+                if p == "sm121_fma" and m > FMA_MAX_M:
+                    records.append({**base, "m": m, "status": f"unavailable: path=fma takes M <= {FMA_MAX_M}"})
+                    continue
                 g = torch.Generator(device=device).manual_seed(1000 + m)
                 x = torch.randn(m, k, generator=g, device=device).bfloat16()
                 nbytes = bytes_moved(p, n, k, bias, m)

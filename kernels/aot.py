@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from vllm_sm121 import platform as _platform
 
 from .dense_details._dense import _dense_fp8_kernel
+from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
@@ -244,6 +245,15 @@ def dense_specs(family: str) -> list[Spec]:
     specs.append(Spec(name="dense_fp8[qkv K2880, prefill]", fn=_dense_fp8_kernel,
                       constexprs=dict(prefill, K=2880, HAS_BIAS=True), ptr_types=ptrs,
                       num_warps=D.PREFILL_NUM_WARPS, num_stages=D.PREFILL_NUM_STAGES))
+    # The FMA decode GEMV (M <= 4: one and four token accumulators) with the family's tile.
+    fma = D.DENSE_FMA_TILES[family]
+    fma_ptrs = dict(ptrs, x_ptr="*i64", w_ptr="*i32")
+    for what, k, bias in (("qkv", 2880, True), ("o", 4096, True), ("lm_head", 2880, False)):
+        for nt in (1, 4):
+            specs.append(Spec(name=f"dense_fp8_fma[{what} K{k}, M{nt}]", fn=_dense_fp8_fma_kernel,
+                              constexprs=dict(K=k, NT=nt, BLOCK_R=fma.rows, BLOCK_KW=min(fma.kw, triton.next_power_of_2(k // 4)),
+                                              HAS_BIAS=bias),
+                              ptr_types=fma_ptrs, num_warps=fma.num_warps))
     return specs
 
 

@@ -9,7 +9,20 @@ Architecture
     over K and multiplies them by all its tokens with ``tl.dot`` (weights = the MMA's M, tokens
     = its N), so at decode (M <= 16) every weight byte is read exactly once per step. Prefill
     (M > 16) runs the same kernel with 64-token tiles: a GEMM that dequantizes weight tiles in
-    registers.
+    registers. ``path="mma"`` forces this kernel at any M.
+
+    Decode for M <= DENSE_FMA_MAX_M tokens (``path="auto"``; default 0 = off until the path has
+    run on a GPU; ``path="fma"`` forces it, $VLLM_SM121_DENSE_FMA_MAX_M=1..4 enables it at call
+    time) runs a CUDA-core
+    GEMV instead (``dense_details/_dense_fma.py``, no ``tl.dot``, the sibling of the MoE's FMA
+    kernels): each program streams DenseFmaTiles.rows weight rows along K as [rows, kw] int32
+    tiles (16-byte vectors per thread), decodes e4m3 bytes with 3 integer ops each
+    (``((w << (24 - 8J)) >> 4) & 0x87F00000`` bitcast to fp32 = e4m3 * 2**-120, exact, denormals
+    kept), multiplies them by each token's bf16 activations (read as int64 words of 4, upcast
+    exactly, pre-scaled by 2**64), one fp32 accumulator per token so the weights are read and
+    decoded once, reduces with ``tl.sum`` and applies 2**56, the scale and the bias in the
+    epilogue. Tiles per family in DENSE_FMA_TILES, overridden at call time by
+    $VLLM_SM121_DENSE_FMA_TILES="rows,kw,warps".
 
     For the error study (``benchmarks/dense_error.py``) the module also holds the weight-only MX
     formats as torch conversions: ``mxfp8_weight_quantize`` (e4m3 + e8m0 per 32 along K, via
@@ -20,20 +33,34 @@ Instructions (``python -m vllm_sm121.kernels.aot``): weights arrive through 16-b
     ``cp.async.cg`` (3-stage pipeline, 32 KB shared memory per program), are upcast in registers
     (``cvt.rn.f16x2.e4m3x2`` + ``cvt.bf16.f16``, exact) and fed via ``ldmatrix`` to
     ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` on sm_121a (decode and prefill) and
-    on sm_90a at decode; sm_90a prefill tiles become ``wgmma m64n64k16``.
+    on sm_90a at decode; sm_90a prefill tiles become ``wgmma m64n64k16``. The FMA path is
+    ``ld.global.v4.b32`` (weights), ``ld.global.v2.b64`` (activations), integer shifts / masks,
+    ``fma.rn.f32`` (``fma.rn.f32x2`` on sm_121a) without ``.ftz``, warp shuffles for the
+    final sum and no barrier in its loop: nothing sm_90-only.
 
 Limitations
-    Matches its reference on an H100 (GPU tests) and in vLLM end to end; timed there
-    (``benchmarks/dense.py``, gpt-oss-120b shapes, M = 1): qkv 19.5 us and o 17.8 us, slower than
+    The MMA kernel matches its reference on an H100 (GPU tests) and in vLLM end to end; timed
+    there (``benchmarks/dense.py``, gpt-oss-120b shapes, M = 1, before the FMA path existed; now
+    ``path="mma"``): qkv 19.5 us and o 17.8 us, slower than
     cuBLAS bf16 (13.7 / 13.9 us) although it reads half the bytes (~25% of the copy bandwidth:
     too few programs and per-byte upcast work); lm_head 346 us with the default tile, 222 us with
     the wide-layer tile now used on sm_90 (cuBLAS bf16 410 us). Activations are bf16 (the fused norm's MXFP8 output is not consumed yet). No split-K: at
     M = 1 qkv (N = 5120) is 160 programs and o (N = 2880) 90 programs of BLOCK_N = 32 rows, which
     may under-fill a 132-SM H100 (GB10 has 48 SMs). MXFP8 / MXFP4 weights have torch references
     only.
+
+    The FMA decode path (M <= 4, now the default there) is UNTIMED on any GPU: written and checked
+    on the CPU only (interpreter tests against the reference, sm_121a / sm_90a PTX), its tiles are
+    guesses; the MMA numbers above are what it must beat (``benchmarks/dense.py --providers
+    sm121_fma,sm121,cublas_bf16``). The activations must satisfy |x| < 2**64 (the 2**64 pre-scale;
+    bf16 allows 2**128); below ~2**-60 their products with small codes lose bits as fp32
+    denormals. e4m3 NaN codes are decoded as finite values (the converter never writes them).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import torch
 
@@ -41,6 +68,7 @@ from vllm_sm121 import platform as _platform
 
 from . import _validate as V
 from .dense_details._dense import _dense_fp8_kernel
+from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .moe import dequant_mxfp4_torch
 from .norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 from .nvfp4 import _e2m1_codes_torch
@@ -70,6 +98,80 @@ PREFILL_BLOCK_N = 128
 PREFILL_BLOCK_K = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 3
+
+# Decode for very few tokens: the CUDA-core (FMA) GEMV (``dense_details/_dense_fma.py``).
+# path="auto" takes it for M <= DENSE_FMA_MAX_M (<= DENSE_FMA_KERNEL_MAX_M, the accumulators the
+# kernel unrolls); 0 turns it off. $VLLM_SM121_DENSE_FMA_MAX_M, read at call time, overrides it
+# (A/B runs). The path depends on M alone, so a captured CUDA graph replays the same kernel.
+DENSE_FMA_KERNEL_MAX_M = 4
+# Off by default until it has run on a GPU (CPU interpreter and AOT-checked only): set
+# $VLLM_SM121_DENSE_FMA_MAX_M=4 (or path="fma") to use it.
+DENSE_FMA_MAX_M = 0
+DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
+PATHS = ("auto", "fma", "mma")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFmaTiles:
+    """Tiles of the FMA decode kernel (performance hyper-parameters)."""
+
+    rows: int  # weight rows per program: a power of two
+    kw: int  # int32 words (4 bytes = 4 e4m3 values) of each row per K step: a power of two >= 4
+    num_warps: int
+
+    def __post_init__(self):
+        def pow2(v):
+            return v > 0 and v & (v - 1) == 0
+
+        if not (pow2(self.rows) and self.rows <= 1024 and pow2(self.kw) and 4 <= self.kw <= 4096):
+            raise ValueError(f"{self}: rows must be a power of two <= 1024, kw a power of two in 4..4096")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"{self}: num_warps must be a power of two <= 32")
+
+    @classmethod
+    def parse(cls, text: str) -> DenseFmaTiles:
+        """"rows,kw,warps" (the $VLLM_SM121_DENSE_FMA_TILES format)."""
+        try:
+            vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+        except ValueError:
+            vals = []
+        if len(vals) != 3:
+            raise ValueError(f"{DENSE_FMA_TILES_ENV}={text!r}: expected rows,kw,warps (integers)")
+        return cls(*vals)
+
+    def spec(self) -> str:
+        return f"{self.rows},{self.kw},{self.num_warps}"
+
+
+# performance hyper-parameters, per architecture family: NOT measured on any GPU yet (set before
+# a GPU run; benchmarks/dense.py --providers sm121_fma times them, $VLLM_SM121_DENSE_FMA_TILES
+# sweeps them). 16 rows x 128 words (512 bytes) per K step, 8 warps: each thread loads two
+# 16-byte weight vectors and two 16-byte activation vectors per token per step (8 KB of weights
+# per program in flight); qkv (N = 5120) is 320 programs, o (N = 2880) 180, lm_head 12568.
+# Pitfall (sm_121a / sm_90a PTX, triton 3.6): with kw >= 32 * warps Triton loads the activation
+# words one per thread and broadcasts them through shared memory, 2 bar.sync per token per step
+# (16,128,4 does; 16,128,8 / 16,64,4 / 32,64,4 do not). sm_12x: the sm_90 values. The
+# interpreter gets small tiles (K = 96: one full step and a masked tail).
+DENSE_FMA_TILES: dict[str, DenseFmaTiles] = {
+    _platform.SM90: DenseFmaTiles(16, 128, 8),
+    _platform.SM12X: DenseFmaTiles(16, 128, 8),
+    _platform.INTERPRETER: DenseFmaTiles(16, 16, 1),
+}
+DENSE_FMA_TILES_ENV = "VLLM_SM121_DENSE_FMA_TILES"
+
+
+def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
+    """The FMA kernel's tiles on ``t``'s device: $VLLM_SM121_DENSE_FMA_TILES if set, else
+    DENSE_FMA_TILES[family]."""
+    env = os.environ.get(DENSE_FMA_TILES_ENV, "").strip()
+    return DenseFmaTiles.parse(env) if env else DENSE_FMA_TILES[_platform.family_of(t)]
+
+
+def select_path(m: int) -> str:
+    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens: "fma" or "mma"."""
+    env = os.environ.get(DENSE_FMA_MAX_M_ENV, "").strip()
+    fma_max = min(int(env) if env else DENSE_FMA_MAX_M, DENSE_FMA_KERNEL_MAX_M)
+    return "fma" if 1 <= m <= fma_max else "mma"
 
 
 # ---- conversion ----------------------------------------------------------------------------
@@ -170,12 +272,22 @@ def _check_linear(x, w, scale, bias) -> tuple[int, int, int]:
 
 
 def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation)."""
+                     bias: torch.Tensor | None = None, *, path: str = "auto") -> torch.Tensor:
+    """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation).
+
+    path: "auto" (``select_path``: the FMA GEMV for M <= DENSE_FMA_MAX_M, else the MMA kernel),
+    "fma" (M <= DENSE_FMA_KERNEL_MAX_M only) or "mma".
+    """
+    if path not in PATHS:
+        raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
     m, n, k = _check_linear(x, w, scale, bias)
+    if path == "fma" and m > DENSE_FMA_KERNEL_MAX_M:
+        raise ValueError(f"path='fma' takes at most {DENSE_FMA_KERNEL_MAX_M} tokens, got M={m}")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
+    if path == "fma" or (path == "auto" and select_path(m) == "fma"):
+        return _dense_fma(x, w, scale, bias, out)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
     if m <= DECODE_MAX_M:
         bm, bn, bk, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS,
@@ -192,6 +304,22 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         x, w.view(torch.uint8), scale, bias if bias is not None else scale, out, m, n, x.stride(0), out.stride(0),
         K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, DOT_FP32=not gpu,
         num_warps=warps, num_stages=stages)
+    return out
+
+
+def _dense_fma(x, w, scale, bias, out) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    tiles = dense_fma_tiles(x)
+    try:  # 4 bf16 as one int64 word: needs row stride and offset multiples of 4 (else one small copy)
+        xw = x.view(torch.int64)
+    except RuntimeError:
+        xw = (x.contiguous() if not x.is_contiguous() else x.clone()).view(torch.int64)
+    kw = min(tiles.kw, V._next_pow2(k // 4))
+    _dense_fp8_fma_kernel[(-(-n // tiles.rows),)](
+        xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
+        xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
+        num_warps=tiles.num_warps)
     return out
 
 

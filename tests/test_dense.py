@@ -102,3 +102,136 @@ def test_mx_weight_roundtrips():
     assert 0.03 < rel < 0.2, rel
     with pytest.raises(ValueError, match="in_features"):
         D.mxfp4_weight_quantize(torch.zeros(2, 48))
+
+
+# ---- the FMA (CUDA-core) decode path, M <= 4 ---------------------------------------------------
+
+def _fma_case(m, n, k, bias, seed, device):
+    """Activations and weights with the awkward rows: all-zero, large (scale >> 1), tiny, denormal codes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, 3] = 0.0
+    if m > 1:
+        x[1] *= 1e-12  # a tiny token (~2**-40): its products stay normal fp32 only thanks to the 2**64 pre-scale
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
+    w[0] = 0.0  # zero row: scale 1, zero codes
+    w[1] *= 1e5  # large row: scale ~ 1e3 (scale * 2**56 alone would overflow fp32 if folded)
+    w[2, ::2] = 0.0
+    w[3] = torch.where(torch.arange(k) % 3 == 0, 1.0, 1e-5)  # e4m3 denormal codes (1e-5 * 448 < 2**-6)
+    b = (torch.randn(n, generator=g) * 2).bfloat16().to(device) if bias else None
+    q, s = D.fp8_per_channel_quantize(w.bfloat16())
+    return x.bfloat16().to(device), q.to(device), s.to(device), b
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (48, 64)], ids=lambda v: str(v))
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_dense_fma_matches_reference(n, k, m, bias, device):
+    x, q, s, b = _fma_case(m, n, k, bias, seed=m * 100 + n + k, device=device)
+    u = q[3].view(torch.uint8)
+    assert (((u & 0x78) == 0) & ((u & 0x07) != 0)).any()  # denormal codes present
+    out = D.dense_fp8_linear(x, q, s, b, path="fma")
+    ref = D.dense_fp8_linear_torch(x, q, s, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert (out[:, 0].float() == (b[0].float() if bias else 0.0)).all()  # zero row: exactly the bias
+    # Kernel error only, element by element: one bf16 rounding (<= 2**-9 |ref|) + fp32 sums
+    # (<= K * 2**-24 * sum |x w|), so the large row and the tiny token get the same relative bound.
+    absref = x.float().abs() @ D.fp8_per_channel_dequantize(q, s).abs().T
+    tol = ref.abs() * 2.0**-8 + absref * 2.0**-14
+    err = (out.float() - ref).abs()
+    assert (err <= tol).all(), ((err - tol).max(), err.max())
+
+
+@pytest.mark.interpreter
+def test_dense_paths_and_selection(device, monkeypatch):
+    x, q, s, b = _fma_case(4, 48, 96, True, seed=7, device=device)
+    ref = D.dense_fp8_linear_torch(x, q, s, b)
+    for path in ("auto", "fma", "mma"):
+        assert_close(D.dense_fp8_linear(x, q, s, b, path=path), ref, atol=2e-2, rtol=1e-2, what=path)
+    assert D.DENSE_FMA_MAX_M == 0 and D.select_path(1) == "mma"  # off until timed on a GPU
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "4")
+    assert [D.select_path(m) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "0")
+    assert D.select_path(1) == "mma"
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "2")
+    assert [D.select_path(m) for m in (2, 3)] == ["fma", "mma"]
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "99")  # capped at what the kernel unrolls
+    assert D.select_path(5) == "mma"
+    with pytest.raises(ValueError, match="path='fma' takes at most 4"):
+        D.dense_fp8_linear(torch.zeros(5, 96, dtype=torch.bfloat16, device=device), q, s, path="fma")
+    with pytest.raises(ValueError, match="path="):
+        D.dense_fp8_linear(x, q, s, path="dot")
+    assert D.dense_fp8_linear(x[:0], q, s, path="fma").shape == (0, 48)
+
+
+@pytest.mark.interpreter
+def test_dense_fma_strided_tiles_env_and_fp32_bias(device, monkeypatch):
+    x = torch.randn(3, 80).bfloat16().to(device)[:, 2:66]  # row stride 80, offset 2: not int64-aligned -> copy
+    w = torch.randn(40, 64).bfloat16().to(device)
+    bias = torch.randn(40).to(device)  # fp32 bias
+    q, s = D.fp8_per_channel_quantize(w)
+    ref = D.dense_fp8_linear_torch(x, q, s, bias)
+    assert_close(D.dense_fp8_linear(x, q, s, bias, path="fma"), ref, atol=2e-2, rtol=1e-2)
+    monkeypatch.setenv(D.DENSE_FMA_TILES_ENV, "32,4,2")  # 4-word steps: 4 steps, rows past N masked
+    assert D.dense_fma_tiles(x) == D.DenseFmaTiles(32, 4, 2)
+    assert_close(D.dense_fp8_linear(x, q, s, bias, path="fma"), ref, atol=2e-2, rtol=1e-2)
+    monkeypatch.setenv(D.DENSE_FMA_TILES_ENV, "16,6,4")
+    with pytest.raises(ValueError, match="power of two"):
+        D.dense_fma_tiles(x)
+    monkeypatch.setenv(D.DENSE_FMA_TILES_ENV, "16,64")
+    with pytest.raises(ValueError, match="rows,kw,warps"):
+        D.dense_fma_tiles(x)
+
+
+@pytest.mark.aot
+def test_dense_fma_ptx_keeps_denormals_and_has_no_loop_barrier(tmp_path):
+    """sm_121a / sm_90a builds of the FMA kernel (AOT, no GPU): no .ftz anywhere (e4m3 denormal
+    codes are fp32 denormals after the bit-trick decode), no bar.sync inside the K loop, no MMA."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import re, json\n"
+        "from vllm_sm121.kernels import aot\n"
+        "out = {}\n"
+        "for arch in (121, 90):\n"
+        "    for s in aot.dense_specs(aot.ARCHS[arch]):\n"
+        "        if s.name.startswith('dense_fp8_fma[') and s.name.startswith(('dense_fp8_fma[qkv', 'dense_fp8_fma[o')):\n"
+        "            p = aot.compile_spec(s, arch).ptx\n"
+        "            i = p.index('Loop Header'); loop = p[i:p.index('bra', i)]\n"
+        "            out[f'{arch}:{s.name}'] = dict(ftz='.ftz' in p, bar=loop.count('bar.sync'),\n"
+        "                mma=bool(re.search(r'\\b(mma|wgmma|ldmatrix|cp\\.async)', p)), ffma='fma.rn.f32' in p)\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res) == 8
+    for name, r in res.items():
+        assert r == dict(ftz=False, bar=0, mma=False, ffma=True), (name, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qkv", "o"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_dense_fma_gpt_oss_120b_shapes(shape, m):
+    """FMA vs MMA vs the fp32 reference at gpt-oss-120b shapes (qkv N5120 K2880, o N2880 K4096)."""
+    n, k = {"qkv": (5120, 2880), "o": (2880, 4096)}[shape]
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    b = (torch.randn(n, generator=g, device="cuda") * 0.02).bfloat16()
+    q, s = D.fp8_per_channel_quantize(w)
+    ref = D.dense_fp8_linear_torch(x, q, s, b)
+    fma = D.dense_fp8_linear(x, q, s, b, path="fma")
+    mma = D.dense_fp8_linear(x, q, s, b, path="mma")
+    for what, out in (("fma", fma), ("mma", mma)):
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 4e-3, (what, rel)
+    assert_close(fma, ref, atol=2e-2, rtol=1e-2, what="fma")
+    assert ((fma.float() - mma.float()).norm() / mma.float().norm()).item() < 4e-3
+    assert torch.equal(D.dense_fp8_linear(x, q, s, b), fma)  # auto = fma at M <= 4

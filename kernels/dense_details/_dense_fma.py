@@ -1,0 +1,144 @@
+"""Triton code for the CUDA-core (FMA) decode GEMV of the FP8-weight dense linear, M <= 4 tokens
+(launcher and reference: ``kernels/dense.py``: ``dense_fp8_linear(path="fma")``).
+
+``_dense_fp8_fma_kernel``: out[NT, N] = x[NT, K] @ (W_e4m3[N, K] * scale[N, None])^T (+ bias[N]),
+NT = 1..4 tokens (constexpr, one compiled variant per token count). No ``tl.dot``: at M <= 4
+padding the tokens to an MMA N of 16 buys nothing, the cost is streaming the weight bytes.
+
+* Program = BLOCK_R weight rows, streamed once along K as int32 words: a [BLOCK_R, BLOCK_KW]
+  tile per step, contiguous along K, which Triton lays out as 16-byte vectors per thread (4 words
+  = 16 e4m3 values); the thread's other vectors are other rows at the same K, so the activations
+  it loads serve all of them. K is a multiple of 16, so the K tail is masked per whole vector.
+* Decode: byte J of a word w is ``((w << (24 - 8J)) >> 4) & 0x87F00000`` (arithmetic shift: the
+  sign lands in bit 31, the 4 exponent + 3 mantissa bits in fp32 bits 26..20) bitcast to fp32 =
+  e4m3 * 2**-120, exact, e4m3 denormals become fp32 denormals (the PTX has no .ftz:
+  ``tests/test_dense.py`` checks the sm_121a build). e4m3 NaN codes (0x7F / 0xFF) are not
+  special: ``fp8_per_channel_quantize`` never writes them.
+* Activations: each token row is read as int64 words, 4 bf16 each = the activations of one
+  weight word (the thread's 4 words: two 16-byte loads per token; bf16 -> fp32 is a shift / mask
+  of the right 16 bits into the top half of an int32, exact) and pre-scaled by 2**X_EXP (exact), so the products
+  (e4m3 * 2**-120) * (x * 2**X_EXP) stay normal fp32 for |x| down to ~2**-60 and cannot
+  overflow for any |x| < 2**(128 - X_EXP) (see X_EXP).
+* Tokens: one accumulator each, updated from the same decoded weight tile (weights read and
+  decoded once per step whatever NT). Per step each word's 4 products are summed (FMA chain),
+  then the 4 words of a vector (all in one thread, no shuffle), into a [BLOCK_R, BLOCK_KW / 4]
+  fp32 accumulator per token; ``tl.sum`` over K once at the end.
+* Epilogue: (sum * 2**(120 - X_EXP)) * scale (two multiplies: scale * 2**56 alone could
+  overflow for large rows) + bias, one bf16 rounding (``to_bf16_rne``).
+
+Everything is plain loads, integer / fp32 arithmetic and ``tl.sum``: no MMA, no cp.async,
+nothing sm_90-only.
+"""
+
+import triton
+import triton.language as tl
+
+from ..kv_cache_details._codecs import to_bf16_rne
+
+E4M3_MASK = tl.constexpr(-2014314496)  # 0x87F00000 as int32: sign bit + fp32 bits 26..20
+BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
+# Activations are multiplied by 2**X_EXP before the products (exact): the decoded weights carry
+# 2**-120, so products of small codes and small activations would otherwise be fp32 denormals
+# (lost bits) for |x| below ~2**-10. With 64, |x| < 2**64 is safe (bf16 activations of a
+# transformer are many orders of magnitude below) and the sums cannot overflow (2**-56 * K * 448 *
+# |x|max).
+X_EXP = 64
+X_SCALE = tl.constexpr(2.0**X_EXP)
+OUT_SCALE = tl.constexpr(2.0**(120 - X_EXP))
+
+
+def _launch_metadata(grid, kernel, args):
+    m, n, k = args["NT"], args["N"], args["K"]
+    return {"name": f"{kernel.name} [M={m}, N={n}, K={k}]", "flops": 2 * m * n * k,
+            "bytes": n * k + 4 * n + 2 * m * k + 2 * m * n}
+
+
+@triton.jit
+def _e4m3_byte(w, J: tl.constexpr):
+    """Byte J (0 = lowest) of int32 words -> fp32 e4m3 value * 2**-120 (exact; denormals kept)."""
+    if J == 3:
+        v = w >> 4
+    else:
+        v = (w << (24 - 8 * J)) >> 4
+    return (v & E4M3_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _token_dot(w0, w1, w2, w3, x_row, offs_w, w_ok, BLOCK_R: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """One token's contribution of a decoded weight tile: [BLOCK_R, BLOCK_KW // 4] fp32 (units of
+    2**(X_EXP - 120)). w0..w3: bytes 0..3 of the words [BLOCK_R, BLOCK_KW]; x_row: the token's
+    activations as int64 words (4 bf16 each: the 4 activations of one weight word); offs_w: the
+    tile's word indices along K."""
+    xv = tl.load(x_row + offs_w, mask=w_ok, other=0)  # x[4c .. 4c + 3], lowest bits first
+    x0 = (xv << 16).to(tl.int32).to(tl.float32, bitcast=True) * X_SCALE
+    x1 = (xv.to(tl.int32) & BF16_HI_MASK).to(tl.float32, bitcast=True) * X_SCALE
+    x2 = ((xv >> 16).to(tl.int32) & BF16_HI_MASK).to(tl.float32, bitcast=True) * X_SCALE
+    x3 = ((xv >> 32).to(tl.int32) & BF16_HI_MASK).to(tl.float32, bitcast=True) * X_SCALE
+    s = w0 * x0[None, :]
+    s += w1 * x1[None, :]
+    s += w2 * x2[None, :]
+    s += w3 * x3[None, :]
+    return tl.sum(tl.reshape(s, [BLOCK_R, BLOCK_KW // 4, 4]), axis=2)
+
+
+@triton.jit
+def _epilogue(acc, scale, bias, out_ptr, t, stride_om, rows, row_ok, HAS_BIAS: tl.constexpr):
+    y = (tl.sum(acc, axis=1) * OUT_SCALE) * scale
+    if HAS_BIAS:
+        y += bias
+    tl.store(out_ptr + t * stride_om + rows, to_bf16_rne(y), mask=row_ok)
+
+
+@triton.jit(launch_metadata=_launch_metadata)
+def _dense_fp8_fma_kernel(
+    x_ptr,  # [NT, K / 4] int64: bf16 activations viewed as 8-byte words, row stride stride_xm (words)
+    w_ptr,  # [N, K / 4] int32: e4m3 weight codes viewed as words, contiguous
+    scale_ptr,  # [N] fp32 per-output-channel dequantization scales
+    bias_ptr,  # [N] bf16 or fp32 (HAS_BIAS only)
+    out_ptr,  # [NT, N] bf16, row stride stride_om
+    N,
+    stride_xm: tl.int64,
+    stride_om: tl.int64,
+    K: tl.constexpr,  # multiple of 16
+    NT: tl.constexpr,  # tokens: 1..4 (= M)
+    BLOCK_R: tl.constexpr,  # weight rows per program, power of two
+    BLOCK_KW: tl.constexpr,  # int32 words (4 bytes) of each row per K step, power of two >= 4
+    HAS_BIAS: tl.constexpr,
+):
+    KW: tl.constexpr = K // 4
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    # Rows past N read row N-1 (never stored): the weight loads need no row mask.
+    w_base = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * KW
+    offs_c = tl.arange(0, BLOCK_KW)
+    acc0 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
+    for k0 in range(0, KW, BLOCK_KW):
+        offs_w = k0 + offs_c
+        w_ok = offs_w < KW
+        w = tl.load(w_base + offs_w[None, :], mask=w_ok[None, :], other=0)
+        w0 = _e4m3_byte(w, 0)
+        w1 = _e4m3_byte(w, 1)
+        w2 = _e4m3_byte(w, 2)
+        w3 = _e4m3_byte(w, 3)
+        acc0 += _token_dot(w0, w1, w2, w3, x_ptr, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        if NT > 1:
+            acc1 += _token_dot(w0, w1, w2, w3, x_ptr + stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        if NT > 2:
+            acc2 += _token_dot(w0, w1, w2, w3, x_ptr + 2 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        if NT > 3:
+            acc3 += _token_dot(w0, w1, w2, w3, x_ptr + 3 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        bias = scale
+    _epilogue(acc0, scale, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS)
+    if NT > 1:
+        _epilogue(acc1, scale, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS)
+    if NT > 2:
+        _epilogue(acc2, scale, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS)
+    if NT > 3:
+        _epilogue(acc3, scale, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS)
