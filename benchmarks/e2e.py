@@ -658,6 +658,28 @@ def run_point(llm, pt: Point, vocab: int, spec: dict, say) -> dict:
     return rec
 
 
+def start_engine(llm_kwargs: dict, res: dict, result_path: str, log):
+    """``LLM(**llm_kwargs)`` in a configuration's child process, timed into ``res["startup_s"]``;
+    on failure records the error in ``res``, writes it to ``result_path`` and returns None."""
+    log(f"starting the engine: LLM(**{json.dumps(llm_kwargs)})")
+    t0 = time.perf_counter()
+    try:
+        import torch
+        from vllm import LLM
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA GPU: torch.cuda.is_available() is False")
+        llm = LLM(**llm_kwargs)
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"engine start-up failed: {_short_error(e)}"
+        res["startup_s"] = time.perf_counter() - t0
+        log(res["error"])
+        _write_json(result_path, res)
+        return None
+    res["startup_s"] = time.perf_counter() - t0
+    return llm
+
+
 def child_main(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("mode") == "copy_bandwidth":
@@ -684,19 +706,9 @@ def child_main(spec_path: str, result_path: str) -> int:
             flush=True,
         )
 
-    log(f"starting the engine: LLM(**{json.dumps(spec['llm_kwargs'])})")
-    t0 = time.perf_counter()
-    try:
-        from vllm import LLM
-
-        llm = LLM(**spec["llm_kwargs"])
-    except Exception as e:  # noqa: BLE001
-        res["error"] = f"engine start-up failed: {_short_error(e)}"
-        res["startup_s"] = time.perf_counter() - t0
-        log(res["error"])
-        _write_json(result_path, res)
+    llm = start_engine(spec["llm_kwargs"], res, result_path, log)
+    if llm is None:
         return 3
-    res["startup_s"] = time.perf_counter() - t0
     res["engine"] = engine_info(llm)
     log(
         f"engine up in {res['startup_s']:.1f}s: {json.dumps(res['engine'], default=str)}"

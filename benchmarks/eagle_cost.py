@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import _short_error, _version, _write_json, deep_merge, wait_or_kill  # noqa: E402  (benchmarks/e2e.py)
+from e2e import _short_error, _version, _write_json, deep_merge, git_info, start_engine, wait_or_kill  # noqa: E402  (benchmarks/e2e.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO_ROOT / "models"
@@ -94,23 +94,6 @@ LOG_PREFIX = "[eagle_cost]"
 # ---------------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def git_info() -> dict:
-    commit = os.environ.get("VLLM_SM121_COMMIT")
-    if commit:
-        return {"commit": commit, "dirty": None}
-    info: dict[str, Any] = {"commit": None, "dirty": None}
-    try:
-        git = ["git", "-C", str(REPO_ROOT)]
-        info["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        timeout=10, check=True).stdout.strip() or None
-        st = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True, timeout=10, check=True).stdout
-        info["dirty"] = bool(st.strip())
-    except (OSError, subprocess.SubprocessError) as e:
-        info["error"] = _short_error(e)
-    return info
 
 
 def _median(xs: list[float]) -> float | None:
@@ -336,22 +319,12 @@ def child_main(spec_path: str, result_path: str) -> int:
     def log(msg: str) -> None:
         print(f"{LOG_PREFIX} {spec['name']}: {msg}", flush=True)
 
-    log(f"starting the engine: LLM(**{json.dumps(spec['llm_kwargs'])})")
-    t0 = time.perf_counter()
-    try:
-        import torch
-        from vllm import LLM, SamplingParams
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA GPU: torch.cuda.is_available() is False")
-        llm = LLM(**spec["llm_kwargs"])
-    except Exception as e:  # noqa: BLE001
-        res["error"] = f"engine start-up failed: {_short_error(e)}"
-        res["startup_s"] = time.perf_counter() - t0
-        log(res["error"])
-        _write_json(result_path, res)
+    llm = start_engine(spec["llm_kwargs"], res, result_path, log)
+    if llm is None:
         return 3
-    res["startup_s"] = time.perf_counter() - t0
+    import torch
+    from vllm import SamplingParams
+
     try:
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         res["device"], res["capability"] = p.name, f"{p.major}.{p.minor}"

@@ -61,17 +61,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import _version, git_info  # noqa: E402  (benchmarks/e2e.py: versions and commit, as the e2e JSON)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("sm121", "sm121_fma", "sm121_decode", "sm121_grouped", "triton", "marlin")
@@ -350,19 +351,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def header(device, copy_gbps) -> dict:
-    commit = os.environ.get("VLLM_SM121_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=REPO_ROOT, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or None
-        except OSError:
-            commit = None
-    versions = {}
-    for pkg in ("vllm", "torch", "triton", "vllm-sm121"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = None
+    commit = git_info()["commit"]
+    versions = {pkg: _version(pkg) for pkg in ("vllm", "torch", "triton", "vllm-sm121")}
     cuda = device.type == "cuda"
     return {"benchmark": "moe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",

@@ -108,14 +108,23 @@ def mxfp8_quantize_rows(y, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
     MXFP8 (OCP MX): one power-of-two scale per 32 elements, the smallest 2**e with
     amax <= 448 * 2**e (so nothing saturates); all-zero blocks get byte 0 (2**-127) and zeros.
     """
+    ys, e = mxfp8_block_scale(y, ROWS, NUM_BLOCKS)
+    codes = e4m3_encode(ys)
+    return tl.reshape(codes, [ROWS, NUM_BLOCKS * 32]), (e + 127).to(tl.uint8)
+
+
+@triton.jit
+def mxfp8_block_scale(y, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """MXFP8's scale step: y [ROWS, NUM_BLOCKS*32] fp32 -> (y / 2**e as [ROWS, NUM_BLOCKS, 32],
+    e [ROWS, NUM_BLOCKS] int32), e the smallest exponent with amax <= 448 * 2**e (-127 for an
+    all-zero block). The caller rounds the scaled values to e4m3 (software or hardware)."""
     yb = tl.reshape(y, [ROWS, NUM_BLOCKS, 32])
     amax = tl.max(tl.abs(yb), axis=2)
     k = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127  # floor(log2(amax))
     e = tl.where(amax > 1.75 * _pow2(tl.maximum(k, -126)), k - 7, k - 8)  # 448 * 2**(k-8) = 1.75 * 2**k
     e = tl.where(amax > 0.0, tl.minimum(tl.maximum(e, -127), 127), -127)
     inv = _pow2(tl.minimum(-e, 127))  # exact: a power of two
-    codes = e4m3_encode(yb * inv[:, :, None])
-    return tl.reshape(codes, [ROWS, NUM_BLOCKS * 32]), (e + 127).to(tl.uint8)
+    return yb * inv[:, :, None], e
 
 
 @triton.jit

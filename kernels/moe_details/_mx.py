@@ -9,7 +9,7 @@ power of two is exact in fp32 and in bf16. e8m0 byte 0 (2**-127) is read as 2**-
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import _pow2, e2m1_decode, e4m3_encode, mxfp8_quantize_rows
+from ..kv_cache_details._codecs import _pow2, e2m1_decode, e4m3_encode, mxfp8_block_scale, mxfp8_quantize_rows
 
 
 @triton.jit
@@ -69,13 +69,7 @@ def mxfp8_quantize_rows_fast(y, ROWS: tl.constexpr, NUM_BLOCKS: tl.constexpr, HW
     """``_codecs.mxfp8_quantize_rows`` with the e4m3 rounding done by the hardware when HW_FP8
     (``cvt.rn.satfinite.e4m3x2.f32``, sm_89+: RNE, saturating, as the software encoder). The
     interpreter rounds fp32 -> e4m3 wrongly near powers of two, so CPU runs pass HW_FP8=False."""
-    yb = tl.reshape(y, [ROWS, NUM_BLOCKS, 32])
-    amax = tl.max(tl.abs(yb), axis=2)
-    k = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127  # floor(log2(amax))
-    e = tl.where(amax > 1.75 * _pow2(tl.maximum(k, -126)), k - 7, k - 8)  # 448 * 2**(k-8) = 1.75 * 2**k
-    e = tl.where(amax > 0.0, tl.minimum(tl.maximum(e, -127), 127), -127)
-    inv = _pow2(tl.minimum(-e, 127))  # exact: a power of two
-    ys = yb * inv[:, :, None]
+    ys, e = mxfp8_block_scale(y, ROWS, NUM_BLOCKS)
     if HW_FP8:
         codes = ys.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:

@@ -46,6 +46,15 @@ def _e2m1x2_hw_times_scale_f16(packed, scale_f16):
 
 
 @triton.jit
+def _e2m1_pairs_times_scale_f16(packed, scale_f16, E2M1_HW: tl.constexpr):
+    """(low nibbles, high nibbles) of packed e2m1 bytes times the fp16 block scales: the hardware
+    conversion where E2M1_HW (sm_12x), else the bit trick."""
+    if E2M1_HW:
+        return _e2m1x2_hw_times_scale_f16(packed, scale_f16)
+    return _e2m1_times_scale_f16(packed, scale_f16), _e2m1_times_scale_f16(packed >> 4, scale_f16)
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
     """Index of the sequence whose query blocks contain program ``q_block_global``.
 
@@ -215,11 +224,7 @@ def _paged_attention_kernel(
                 ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
                              + slot[None, :] * (HEAD_SIZE // 16) + offs_h2[:, None] // 8, mask=n_ok[None, :], other=0)
                 ksf = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            if E2M1_HW:
-                k_lo, k_hi = _e2m1x2_hw_times_scale_f16(kq, ksf)
-            else:
-                k_lo = _e2m1_times_scale_f16(kq, ksf)
-                k_hi = _e2m1_times_scale_f16(kq >> 4, ksf)
+            k_lo, k_hi = _e2m1_pairs_times_scale_f16(kq, ksf, E2M1_HW)
             vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_h2[None, :],
                          mask=n_ok[:, None], other=0)
             if NVFP4_VEC:
@@ -231,11 +236,7 @@ def _paged_attention_kernel(
                 vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
                              + slot[:, None] * (HEAD_SIZE // 16) + offs_h2[None, :] // 8, mask=n_ok[:, None], other=0)
                 vsf = vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            if E2M1_HW:
-                v_lo, v_hi = _e2m1x2_hw_times_scale_f16(vq, vsf)
-            else:
-                v_lo = _e2m1_times_scale_f16(vq, vsf)
-                v_hi = _e2m1_times_scale_f16(vq >> 4, vsf)
+            v_lo, v_hi = _e2m1_pairs_times_scale_f16(vq, vsf, E2M1_HW)
             if DOT_FP32:
                 k_lo, k_hi, v_lo, v_hi = k_lo.to(tl.float32), k_hi.to(tl.float32), v_lo.to(tl.float32), v_hi.to(tl.float32)
             else:
