@@ -16,8 +16,8 @@ Shapes (gpt-oss-120b; weights [N, K], vLLM layout: output channels are rows)
 Providers
     sm121             ``kernels.dense.dense_fp8_linear``: e4m3 weights + one fp32 scale per output
                       channel, bf16 activations (what ``"dense_weights": "fp8"`` runs; path="auto":
-                      the MMA kernel above; the FMA GEMV for M <= $VLLM_SM121_DENSE_FMA_MAX_M, off
-                      by default).
+                      the FMA GEMV for M <= 4, M <= 1 on lm_head, else the MMA kernel above;
+                      $VLLM_SM121_DENSE_FMA_MAX_M overrides the limit, 0 = MMA only).
     sm121_fma         the same with path="fma" (the CUDA-core GEMV; M <= 4 only, larger M are
                       recorded "unavailable"). ``--providers sm121_fma,sm121`` times FMA against
                       MMA at M <= 4.

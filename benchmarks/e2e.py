@@ -132,6 +132,7 @@ class Config:
     note: str
     upstream: bool = False  # a baseline: "vs up" divides by the best of these
     default: bool = True  # in the default --configs
+    env: tuple[tuple[str, str], ...] = ()  # environment of its process (engine core included)
 
 
 SM121 = {"attention_backend": "SM121"}
@@ -148,6 +149,9 @@ CONFIGS: tuple[Config, ...] = (
            "SM121 attention with vLLM's own MoE (isolates the backend)", **OFF),
     Config("sm121-fp8dense", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
            "SM121, FP8 (e4m3, per-output-channel) qkv/o/lm_head weights"),
+    # Off by default: the plugin's MoE is gated off (vllm_sm121.moe.READY) and this opts in.
+    Config("sm121-moe", {**SM121}, "SM121 + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
     # Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
     #        "SM121, whole-model graph"),
 )
@@ -450,6 +454,7 @@ def build_plan(args) -> list[ModelPlan]:
                     "note": cfg.note,
                     "upstream": cfg.upstream,
                     "llm_kwargs": kw,
+                    "env": dict(cfg.env),
                     "points": [dataclasses.asdict(p) for p in points],
                     "skipped": skipped,
                 }
@@ -808,9 +813,10 @@ def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, 
 
 
 def run_child(
-    spec: dict, log_path: Path | None, timeout_s: float, verbose: bool
+    spec: dict, log_path: Path | None, timeout_s: float, verbose: bool, env: dict | None = None
 ) -> dict:
-    """Run one child process; its stdout+stderr go to log_path, [e2e] lines are echoed."""
+    """Run one child process (``env`` added to its environment); its stdout+stderr go to
+    log_path, [e2e] lines are echoed."""
     with tempfile.TemporaryDirectory(prefix="e2e_bench_") as td:
         spec_path, res_path = Path(td) / "spec.json", Path(td) / "result.json"
         spec_path.write_text(json.dumps(spec, default=str))
@@ -821,7 +827,7 @@ def run_child(
             str(spec_path),
             str(res_path),
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         tail: collections.deque[str] = collections.deque(maxlen=60)
         backend_lines: list[str] = []
         error_lines: list[str] = []
@@ -1604,7 +1610,7 @@ def main(argv=None) -> int:
                 "t0": t_start,
             }
             log_path = log_dir / f"{m.name}.{plan['config']}.log"
-            res = run_child(spec, log_path, args.timeout_per_config, args.verbose)
+            res = run_child(spec, log_path, args.timeout_per_config, args.verbose, plan.get("env"))
             res.pop("config", None)
             res.pop("llm_kwargs", None)  # == plan["llm_kwargs"]
             run.update(res)

@@ -11,9 +11,9 @@ Architecture
     (M > 16) runs the same kernel with 64-token tiles: a GEMM that dequantizes weight tiles in
     registers. ``path="mma"`` forces this kernel at any M.
 
-    Decode for M <= DENSE_FMA_MAX_M tokens (``path="auto"``; default 0 = off until the path has
-    run on a GPU; ``path="fma"`` forces it, $VLLM_SM121_DENSE_FMA_MAX_M=1..4 enables it at call
-    time) runs a CUDA-core
+    Decode for M <= DENSE_FMA_MAX_M tokens (``path="auto"``; 4, or DENSE_FMA_WIDE_MAX_M = 1 for
+    layers of N >= WIDE_N such as lm_head; ``path="fma"`` forces it, $VLLM_SM121_DENSE_FMA_MAX_M
+    overrides the limit at call time, 0 = off) runs a CUDA-core
     GEMV instead (``dense_details/_dense_fma.py``, no ``tl.dot``, the sibling of the MoE's FMA
     kernels): each program streams DenseFmaTiles.rows weight rows along K as [rows, kw] int32
     tiles (16-byte vectors per thread), decodes e4m3 bytes with 3 integer ops each
@@ -104,9 +104,12 @@ PREFILL_NUM_STAGES = 3
 # kernel unrolls); 0 turns it off. $VLLM_SM121_DENSE_FMA_MAX_M, read at call time, overrides it
 # (A/B runs). The path depends on M alone, so a captured CUDA graph replays the same kernel.
 DENSE_FMA_KERNEL_MAX_M = 4
-# Off by default until it has run on a GPU (CPU interpreter and AOT-checked only): set
-# $VLLM_SM121_DENSE_FMA_MAX_M=4 (or path="fma") to use it.
-DENSE_FMA_MAX_M = 0
+# H100, benchmarks/dense.py at 8e7318f (docs/dense-h100-8e7318f.json), FMA vs the MMA kernel, µs:
+# qkv M=1/2/4 8.7/10.6/16.1 vs 19.4; o 8.6/9.3/14.0 vs 17.7 (cuBLAS bf16: 13.5 and 14.4);
+# lm_head (N = 201088) M=1 204 vs 222 but M=2 228 vs 223 and M=4 423 vs 225: on layers of
+# N >= WIDE_N the FMA path stops at DENSE_FMA_WIDE_MAX_M tokens.
+DENSE_FMA_MAX_M = 4
+DENSE_FMA_WIDE_MAX_M = 1
 DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
 PATHS = ("auto", "fma", "mma")
 
@@ -167,11 +170,18 @@ def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
     return DenseFmaTiles.parse(env) if env else DENSE_FMA_TILES[_platform.family_of(t)]
 
 
-def select_path(m: int) -> str:
-    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens: "fma" or "mma"."""
+def select_path(m: int, n: int = 0) -> str:
+    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma"
+    or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
+
+    $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the limit for every N.
+    """
     env = os.environ.get(DENSE_FMA_MAX_M_ENV, "").strip()
-    fma_max = min(int(env) if env else DENSE_FMA_MAX_M, DENSE_FMA_KERNEL_MAX_M)
-    return "fma" if 1 <= m <= fma_max else "mma"
+    if env:
+        fma_max = int(env)
+    else:
+        fma_max = DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M
+    return "fma" if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M) else "mma"
 
 
 # ---- conversion ----------------------------------------------------------------------------
@@ -275,7 +285,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, *, path: str = "auto") -> torch.Tensor:
     """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation).
 
-    path: "auto" (``select_path``: the FMA GEMV for M <= DENSE_FMA_MAX_M, else the MMA kernel),
+    path: "auto" (``select_path``: the FMA GEMV for few tokens, else the MMA kernel),
     "fma" (M <= DENSE_FMA_KERNEL_MAX_M only) or "mma".
     """
     if path not in PATHS:
@@ -286,7 +296,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
-    if path == "fma" or (path == "auto" and select_path(m) == "fma"):
+    if path == "fma" or (path == "auto" and select_path(m, n) == "fma"):
         return _dense_fma(x, w, scale, bias, out)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
     if m <= DECODE_MAX_M:

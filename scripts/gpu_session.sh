@@ -31,17 +31,17 @@ for step in "$@"; do
     e2e20b) python3 benchmarks/e2e.py --model models/gpt-oss-20b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_20b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_20b${E2E_TAG:-}.log" | tail -n 60 ;;
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
     serve) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_fp.log" -- --max-cudagraph-capture-size 8 ;;
-    servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --stagger 0.02 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 512 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
+    servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --stagger 0.03 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 512 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
     eagle) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle.log" -- --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
     e2e_numerics) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "prompt_logprobs" -p no:cacheprovider > "$OUT/e2e_numerics.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_numerics.log" | head -n 40; (exit $r) ;;
     e2e_graphs) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "graph" -p no:cacheprovider > "$OUT/e2e_graphs.log" 2>&1; r=$?
          grep -E "gap|Error|passed|failed" "$OUT/e2e_graphs.log" | head -n 40; (exit $r) ;;
     eagle_nvfp4) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle_nvfp4.log" -- --kv-cache-dtype nvfp4 --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
-    e2e_moe) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "moe" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
+    e2e_moe) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -q -s tests/test_e2e_gpu.py -k "${E2E_MOE_K:-moe}" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
-    kvtests) python3 -m pytest -q -m "gpu or interpreter" tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_moe.py tests/test_moe_block.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/kvtests.log" ;;
+    kvtests) python3 -m pytest -q -m gpu tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_moe.py tests/test_moe_block.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/kvtests.log" ;;
     moequick) python3 benchmarks/moe.py --m 1,2,4,8,64,512 --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 45 ;;
     e2e_prefix) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "nvfp4_prefix" -p no:cacheprovider > "$OUT/e2e_prefix.log" 2>&1; r=$?
          grep -E "^nvfp4|Error|passed|failed" "$OUT/e2e_prefix.log" | head -n 20; (exit $r) ;;
@@ -52,6 +52,8 @@ for step in "$@"; do
     moebench) python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 80 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
+    densegpu) python3 -m pytest -q -m gpu tests/test_dense.py -p no:cacheprovider 2>&1 | tail -n 15 | tee "$OUT/densegpu.log" ;;
+    moefmasweep) python3 benchmarks/moe.py --m 1,2,4 --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,1,4,1,2;64,256,32,256,4,1,4,1,4;64,256,16,256,4,1,4,1,2;64,256,32,256,8,2,4,2,2;64,256,32,256,8,2,4,2,4}" --out "$OUT/moe_fma_sweep.json" 2>&1 | tee "$OUT/moefmasweep.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;

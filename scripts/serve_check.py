@@ -66,6 +66,8 @@ def main() -> int:
                 time.sleep(ip[0] * args.stagger)
                 return post(args.port, body(ip[1]))
 
+            if args.stagger > 0:
+                post(args.port, body([1, 2, 3]))  # warm the server up, so staggered arrivals stay staggered
             with concurrent.futures.ThreadPoolExecutor(args.requests) as ex:
                 outs = list(ex.map(send, enumerate(prompts)))
             n = [o["usage"]["completion_tokens"] for o in outs]

@@ -149,9 +149,13 @@ def test_dense_paths_and_selection(device, monkeypatch):
     ref = D.dense_fp8_linear_torch(x, q, s, b)
     for path in ("auto", "fma", "mma"):
         assert_close(D.dense_fp8_linear(x, q, s, b, path=path), ref, atol=2e-2, rtol=1e-2, what=path)
-    assert D.DENSE_FMA_MAX_M == 0 and D.select_path(1) == "mma"  # off until timed on a GPU
-    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "4")
-    assert [D.select_path(m) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
+    monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV, raising=False)
+    assert [D.select_path(m, 5120) for m in (0, 1, 4, 5, 16)] == ["mma", "fma", "fma", "mma", "mma"]
+    wide = D.WIDE_N  # lm_head: FMA only up to DENSE_FMA_WIDE_MAX_M tokens (timed on H100)
+    assert [D.select_path(m, wide) for m in (1, 2)] == ["fma", "mma"]
+    assert D.select_path(2, wide - 1) == "fma"
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "4")  # the environment sets the limit for every N
+    assert [D.select_path(m, wide) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
     monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "0")
     assert D.select_path(1) == "mma"
     monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "2")

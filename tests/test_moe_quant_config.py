@@ -182,3 +182,20 @@ def test_gated_off_until_ready(monkeypatch):
     assert "mxfp8" not in config.OPTIONS["moe"].implemented
     with pytest.raises(ValueError, match="not implemented"):
         config.parse({"sm121": {"moe": "mxfp8"}})
+
+
+def test_experimental_env_opts_in_every_process():
+    """$VLLM_SM121_MOE_EXPERIMENTAL=1 (read at import, inherited by vLLM's engine processes) turns
+    the gated MoE on, option value included; unset or any other value keeps it off."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from vllm_sm121 import config, moe; "
+            "print(moe.READY, 'mxfp8' in config.OPTIONS['moe'].implemented)")
+    for value, want in (("1", "True True"), ("0", "False False"), (None, "False False")):
+        env = {k: v for k, v in os.environ.items() if k != moe.EXPERIMENTAL_ENV}
+        if value is not None:
+            env[moe.EXPERIMENTAL_ENV] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want.split(), (value, out.stdout, out.stderr[-2000:])

@@ -80,10 +80,10 @@ def diagnose() -> dict:
         "fp8 KV cache (--kv-cache-dtype fp8 with SM121)": (backend_ok, backend_why),
         "nvfp4 KV cache (--kv-cache-dtype nvfp4 with SM121)": (backend_ok, backend_why),
         "MXFP4 MoE with MXFP8 activations": (backend_ok, backend_why) if moe.READY else (
-            False, "built but gated off (vllm_sm121.moe.READY is False): not yet faster than vLLM's MoE; "
-                   "see README feature table"),
+            False, f"built but gated off (vllm_sm121.moe.READY is False; ${moe.EXPERIMENTAL_ENV}=1 opts in): "
+                   "not yet faster than vLLM's MoE beyond one token; see README feature table"),
         "whole-model CUDA graph mode": (False, not_yet),
-        "FP8 dense weights": (False, not_yet),
+        "FP8 dense weights (sm121.dense_weights = fp8)": (backend_ok, backend_why),
     }
     return {
         "versions": {"vllm-sm121": __version__, "vllm": _version("vllm"), "torch": _version("torch"),

@@ -25,10 +25,12 @@ class Option:
     help: str
 
 
+from vllm_sm121 import moe as _moe  # noqa: E402  (import-light: READY, the opt-in gate)
+
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in (
-        Option("moe", ("mxfp8", "upstream"), ("upstream",), None,
+        Option("moe", ("mxfp8", "upstream"), ("mxfp8", "upstream") if _moe.READY else ("upstream",), None,
                "gpt-oss MXFP4 experts with MXFP8 activations (on by default for gpt-oss MXFP4 checkpoints "
                "with --attention-backend SM121 once vllm_sm121.moe.READY; see resolve_moe); 'upstream' keeps vLLM's MoE"),
         Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16", "fp8"), "bf16",
