@@ -56,6 +56,9 @@ for step in "$@"; do
     moefmasweep) python3 benchmarks/moe.py --m 1,2,4 --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,1,4,1,2;64,256,32,256,4,1,4,1,4;64,256,16,256,4,1,4,1,2;64,256,32,256,8,2,4,2,2;64,256,32,256,8,2,4,2,4}" --out "$OUT/moe_fma_sweep.json" 2>&1 | tee "$OUT/moefmasweep.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;
+    profile) for a in "--backend default" "--backend SM121" "--backend SM121 --dense-fp8" "--eager --backend default" "--eager --moe-experimental --dense-fp8"; do
+               tag=$(echo "$a" | tr -d ' -'); python3 benchmarks/profile_step.py $a ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" > "$OUT/profile_$tag.log" 2>&1
+               echo "--- profile $a: rc $?"; sed -n '/^device/,$p' "$OUT/profile_$tag.log" | head -n 45; done ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;

@@ -1,0 +1,198 @@
+"""What one gpt-oss decode step costs the host and which kernels it runs (torch.profiler).
+
+    python benchmarks/profile_step.py                               # tiny, SM121, vLLM's graphs
+    python benchmarks/profile_step.py --backend default             # upstream's selection
+    python benchmarks/profile_step.py --eager --moe-experimental    # per-layer kernel list, plugin MoE
+    python benchmarks/profile_step.py --model models/gpt-oss-20b --out results/profile.json
+
+Method
+    The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on dummy weights, so
+    torch.profiler (CPU + CUDA activities) sees the model runner's host calls and the kernels.
+    One 16-token prompt, greedy, ignore_eos; after a warm-up, two generations are profiled:
+    max_tokens = 2 and 2 + --steps. Per decode step = (count(long) - count(short)) / --steps,
+    so prefill, request setup and teardown cancel out.
+
+    Host side: every CUDA runtime / driver API call the profiler records (names starting "cu"),
+    grouped as graph launches, kernel launches (runtime and driver: Triton launches through
+    cuLaunchKernel), copies, memsets and other (events, synchronisation, ...).
+    Device side: kernels per step by name and, divided by the model's layer count, per layer.
+    Under CUDA graphs the kernels inside a replay are listed where the profiler records graph
+    nodes (CUDA 12+); --eager gives the plain per-layer list.
+
+    "standalone quantization kernels": kernels whose name matches QUANT_RE and not FUSED_RE
+    (the plugin's producers that quantize as part of other work: norm, SwiGLU, FC1/FC2, KV
+    write). The plugin's MoE routing kernel doubles as the bf16 -> MXFP8 quantizer where no
+    MXFP8 producer feeds the experts: its count per layer (1 = routing only) is printed too.
+
+Output: a table, and JSON (--out) with the header (device, versions, commit), the LLM kwargs
+and the per-step counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+QUANT_RE = re.compile(r"quant|downcast|to_mxfp|mxfp8|fp8_cast|cast_to_fp8", re.I)
+FUSED_RE = re.compile(r"norm|swiglu|fc1|fc2|kv_write|write_kv|kv_cache", re.I)
+API_GROUPS = (  # (group, predicate on the API name), first match wins
+    ("graph launches", lambda n: "GraphLaunch" in n),
+    ("kernel launches", lambda n: "LaunchKernel" in n or "LaunchCooperativeKernel" in n),
+    ("copies", lambda n: "Memcpy" in n),
+    ("memsets", lambda n: "Memset" in n),
+)
+BACKENDS = ("SM121", "TRITON_ATTN", "FLASH_ATTN", "default")
+
+
+def api_group(name: str) -> str:
+    """The group of a CUDA API call name ("other" when none matches)."""
+    for group, match in API_GROUPS:
+        if match(name):
+            return group
+    return "other"
+
+
+def per_step(short: collections.Counter, long: collections.Counter, steps: int) -> dict[str, float]:
+    """Calls per decode step from two profiles (max_tokens 2 and 2 + steps), names with > 0."""
+    out = {}
+    for name in set(short) | set(long):
+        v = (long.get(name, 0) - short.get(name, 0)) / steps
+        if v > 0:
+            out[name] = v
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def standalone_quant(kernels: dict[str, float]) -> dict[str, float]:
+    """Kernels that look like activation quantization and are not one of the fused producers."""
+    return {k: v for k, v in kernels.items() if QUANT_RE.search(k) and not FUSED_RE.search(k)}
+
+
+def summarize(api: dict[str, float], kernels: dict[str, float], layers: int) -> dict:
+    groups: dict[str, float] = collections.Counter()
+    for name, v in api.items():
+        groups[api_group(name)] += v
+    core = sum(v for g, v in groups.items() if g != "other")
+    return {
+        "api_per_step": api,
+        "api_groups_per_step": dict(groups),
+        "launches_copies_memsets_per_step": core,
+        "kernels_per_step": kernels,
+        "kernels_per_layer": {k: v / layers for k, v in kernels.items()},
+        "standalone_quant_kernels": standalone_quant(kernels),
+    }
+
+
+def build_kwargs(args, hf: dict) -> dict:
+    kw = dict(model=str(args.model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
+              enforce_eager=args.eager)
+    if not args.eager:
+        kw["compilation_config"] = {"max_cudagraph_capture_size": args.capture_size}
+    if args.backend != "default":
+        kw["attention_backend"] = args.backend
+    sm121 = {}
+    if args.dense_fp8:
+        sm121["dense_weights"] = "fp8"
+    if sm121:
+        kw["additional_config"] = {"sm121": sm121}
+    return kw
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO_ROOT / "models" / "gpt-oss-tiny"))
+    ap.add_argument("--backend", default="SM121", choices=BACKENDS)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (plain per-layer kernel list)")
+    ap.add_argument("--capture-size", type=int, default=8, help="max_cudagraph_capture_size (default 8)")
+    ap.add_argument("--moe-experimental", action="store_true",
+                    help="the plugin's MoE ($VLLM_SM121_MOE_EXPERIMENTAL=1; gated off by default)")
+    ap.add_argument("--dense-fp8", action="store_true", help='additional_config sm121.dense_weights = "fp8"')
+    ap.add_argument("--steps", type=int, default=32, help="decode steps between the two profiles (default 32)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--top", type=int, default=40, help="kernels printed (default 40)")
+    ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--dry-run", action="store_true", help="print the LLM kwargs and exit (no GPU needed)")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    args.model = Path(args.model).resolve()
+    cfg_path = args.model / "config.json"
+    if not cfg_path.is_file():
+        ap.error(f"--model {args.model}: no config.json there")
+    hf = json.loads(cfg_path.read_text())
+    layers = int(hf["num_hidden_layers"])
+    kw = build_kwargs(args, hf)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if args.moe_experimental:
+        env["VLLM_SM121_MOE_EXPERIMENTAL"] = "1"
+    print(f"LLM(**{json.dumps(kw)})  env {env}", flush=True)
+    if args.dry_run:
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to profile (use --dry-run to check the arguments)", file=sys.stderr)
+        return 2
+    os.environ.update(env)  # before vLLM and the plugin are imported (the MoE gate is read at import)
+    from e2e import git_info, _version
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**kw)
+    prompt = TokensPrompt(prompt_token_ids=list(range(100, 116)))
+
+    def generate(n: int) -> None:
+        llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)
+
+    generate(8)
+    generate(2 + args.steps)
+    counts = []
+    for n in (2, 2 + args.steps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            generate(n)
+            torch.cuda.synchronize()
+        api, kern = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kern[e.name] += 1
+            elif e.name.startswith("cu"):
+                api[e.name] += 1
+        counts.append((api, kern))
+    res = summarize(per_step(counts[0][0], counts[1][0], args.steps),
+                    per_step(counts[0][1], counts[1][1], args.steps), layers)
+
+    print(f"\ndevice {torch.cuda.get_device_name()}  layers {layers}  steps {args.steps}  backend {args.backend}  "
+          f"eager {args.eager}  moe-experimental {args.moe_experimental}  dense-fp8 {args.dense_fp8}")
+    print("\nCUDA API calls per decode step")
+    for g, v in sorted(res["api_groups_per_step"].items(), key=lambda kv: -kv[1]):
+        print(f"  {g:<16} {v:8.2f}")
+    print(f"  {'launches+copies+memsets':<24} {res['launches_copies_memsets_per_step']:.2f}")
+    for name, v in res["api_per_step"].items():
+        print(f"    {name:<40} {v:8.2f}")
+    print(f"\nkernels per decode step (per layer = / {layers})")
+    for name, v in list(res["kernels_per_step"].items())[: args.top]:
+        print(f"  {v:8.2f}  {v / layers:6.2f}  {name[:110]}")
+    print(f"\nstandalone quantization kernels: {res['standalone_quant_kernels'] or 'none'}")
+    out = {"header": {"device": torch.cuda.get_device_name(), "commit": git_info(),
+                      "versions": {k: _version(k) for k in ("vllm", "torch", "triton", "vllm-sm121")}},
+           "llm_kwargs": kw, "env": env, "layers": layers, "steps": args.steps, **res}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
