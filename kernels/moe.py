@@ -215,7 +215,10 @@ class FmaTiles:
 #   M=1  64,256,32,256,4,1        52.8 / 28.3 / 20.4  (8 fc1 warps: 53.4; 512-byte steps: 57.3)
 #   M=2  64,256,32,256,8,2,4,2    98.4 / 62.7 / 38.7  (4 fc1 warps: 133.2: 232 registers with 2+ tokens)
 #   M=4  64,256,32,256,8,2,4,2   179.6 / 115.6 / 69.0
-# fc2_split (split-K of FC2) was added after that sweep and is not measured yet. sm_12x: the sm_90
+# fc2_split (split-K of FC2), H100 at bd8218e (docs/logs/moe-fma-split-sweep-h100-bd8218e.txt): no
+# gain (M=1 52.7 us with 1 or 4 splits; M=2/4 slower with splits: 104.5/191.6 at 2, 108.0/203.0
+# at 4 vs 98.4/179.6 unsplit), so it stays 1; vLLM's triton_kernels MoE in that run: 66.3 / 83.9 /
+# 142.5 us at M = 1 / 2 / 4 (ours wins at M = 1 only). sm_12x: the sm_90
 # choice (not measured: no GB10 here). The interpreter gets small tiles (its cost grows with
 # the tile). Overridden at call time, for every M, by
 # VLLM_SM121_MOE_FMA_TILES="fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]"

@@ -41,7 +41,7 @@ for step in "$@"; do
     e2e_moe) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -q -s tests/test_e2e_gpu.py -k "${E2E_MOE_K:-moe}" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
-    kvtests) python3 -m pytest -q -m gpu tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_moe.py tests/test_moe_block.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/kvtests.log" ;;
+    kvtests) python3 -m pytest -q -m gpu tests/test_fp4_kv.py tests/test_paged_attention.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/kvtests.log" ;;
     moequick) python3 benchmarks/moe.py --m 1,2,4,8,64,512 --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 45 ;;
     e2e_prefix) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "nvfp4_prefix" -p no:cacheprovider > "$OUT/e2e_prefix.log" 2>&1; r=$?
          grep -E "^nvfp4|Error|passed|failed" "$OUT/e2e_prefix.log" | head -n 20; (exit $r) ;;
@@ -57,8 +57,8 @@ for step in "$@"; do
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;
     profile) for a in "--backend default" "--backend SM121" "--backend SM121 --dense-fp8" "--eager --backend default" "--eager --moe-experimental --dense-fp8"; do
-               tag=$(echo "$a" | tr -d ' -'); python3 benchmarks/profile_step.py $a ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" > "$OUT/profile_$tag.log" 2>&1
-               echo "--- profile $a: rc $?"; sed -n '/^device/,$p' "$OUT/profile_$tag.log" | head -n 45; done ;;
+               tag=$(echo "$a" | tr -d ' -'); python3 benchmarks/profile_step.py $a ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" > "/tmp/profile_$tag.log" 2>&1
+               echo "--- profile $a: rc $?" | tee -a "$OUT/profile.log"; sed -n '/^device/,$p' "/tmp/profile_$tag.log" | tee -a "$OUT/profile.log" | head -n 45; done ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;
