@@ -91,6 +91,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     ap.add_argument("--out", default=str(REPO_ROOT / "results" / "dense.json"))
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes: sm121 and torch")
+    ap.add_argument("--fma-tiles", default="",
+                    help="FMA GEMV tile sweep after the table: 'rows,kw,warps;...' ($VLLM_SM121_DENSE_FMA_TILES "
+                         "format), each timed as provider sm121_fma at every M <= 4 of --m and every shape")
     args = ap.parse_args(argv)
     args.m = [int(x) for x in (args.m.split(",") if args.m else DEFAULT_M)]
     if args.dry_run:
@@ -102,6 +105,15 @@ def parse_args(argv=None):
         bad = sorted(set(got) - set(known))
         if bad:
             ap.error(f"unknown {what} {bad}; supported: {', '.join(known)}")
+    args.fma_tiles = [t.strip() for t in args.fma_tiles.split(";") if t.strip()]
+    if args.fma_tiles:
+        from vllm_sm121.kernels.dense import DenseFmaTiles
+
+        for t in args.fma_tiles:
+            try:
+                DenseFmaTiles.parse(t)
+            except (TypeError, ValueError) as e:
+                ap.error(f"--fma-tiles {t!r}: {e}")
     return args
 
 
@@ -270,7 +282,7 @@ def run(args, device) -> tuple[list[dict], dict]:
         wts = make_weights(n, k, bias, device, seed=si)
         for p in args.providers:
             base = {"provider": p, "shape": name, "n": n, "k": k, "bias": bias}
-            if not cuda and p not in ("sm121", "cublas_bf16"):
+            if not cuda and p not in ("sm121", "sm121_fma", "cublas_bf16"):
                 records += [{**base, "m": m, "status": "unavailable: needs CUDA"} for m in args.m]
                 continue
             copies = _copies(p, n, k, bias, l2)
@@ -311,6 +323,46 @@ def run(args, device) -> tuple[list[dict], dict]:
                 torch.cuda.empty_cache()
         del wts
     return records, {"l2_cache_bytes": l2}
+
+
+def sweep_fma_tiles(args, device) -> list[dict]:
+    """--fma-tiles: provider sm121_fma under each tile ($VLLM_SM121_DENSE_FMA_TILES, read per call,
+    so each captured graph holds that tile's kernel); records carry "tile"."""
+    import argparse as _argparse
+    import os
+
+    from vllm_sm121.kernels.dense import DENSE_FMA_TILES_ENV
+
+    sub = _argparse.Namespace(**{**vars(args), "providers": ["sm121_fma"],
+                                 "m": [m for m in args.m if m <= FMA_MAX_M] or [1]})
+    old = os.environ.get(DENSE_FMA_TILES_ENV)
+    records = []
+    try:
+        for tile in args.fma_tiles:
+            os.environ[DENSE_FMA_TILES_ENV] = tile
+            records += [dict(r, tile=tile) for r in run(sub, device)[0]]
+    finally:
+        if old is None:
+            os.environ.pop(DENSE_FMA_TILES_ENV, None)
+        else:
+            os.environ[DENSE_FMA_TILES_ENV] = old
+    return records
+
+
+def print_sweep(records: list[dict], copy_gbps: float | None) -> None:
+    print("\nFMA GEMV tile sweep (rows,kw,warps): us (% copy BW)")
+    best: dict[tuple[str, int], dict] = {}
+    for r in records:
+        if r.get("status") != "ok":
+            print(f"  {r['tile']:<12} {r['shape']:<8} M={r['m']}: {r.get('status')}")
+            continue
+        bw = f" ({100 * r['gbps'] / copy_gbps:.0f}%)" if copy_gbps else ""
+        print(f"  {r['tile']:<12} {r['shape']:<8} M={r['m']}  {r['us_p50']:8.1f}{bw}")
+        key = (r["shape"], r["m"])
+        if key not in best or r["us_p50"] < best[key]["us_p50"]:
+            best[key] = r
+    for (shape, m), r in sorted(best.items()):
+        print(f"fastest FMA tile for {shape} M={m}: {r['tile']} ({r['us_p50']:.1f} us)")
 
 
 def print_table(records: list[dict], args, copy_gbps: float | None) -> None:
@@ -356,11 +408,16 @@ def main(argv=None) -> int:
     print(f"device {head['device']}  capability {head['capability']}  copy bandwidth "
           f"{copy_gbps or float('nan'):.0f} GB/s  L2 {extra['l2_cache_bytes']}  commit {head['commit']}")
     print_table(records, args, copy_gbps)
+    if args.fma_tiles:
+        sweep = sweep_fma_tiles(args, device)
+        print_sweep(sweep, copy_gbps)
+        records += sweep
+        head["config"]["fma_tiles"] = args.fma_tiles
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))
     print(f"wrote {out_path}")
-    return 1 if any(r["provider"] == "sm121" and r.get("status") != "ok" for r in records) else 0
+    return 1 if any(r["provider"] == "sm121" and r.get("status") != "ok" and "tile" not in r for r in records) else 0
 
 
 if __name__ == "__main__":

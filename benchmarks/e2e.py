@@ -152,6 +152,9 @@ CONFIGS: tuple[Config, ...] = (
     # Off by default: the plugin's MoE is gated off (vllm_sm121.moe.READY) and this opts in.
     Config("sm121-moe", {**SM121}, "SM121 + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
+    Config("sm121-fp8dense-moe", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
+           "SM121 + FP8 dense weights + the plugin's MoE (experimental opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
     # Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
     #        "SM121, whole-model graph"),
 )

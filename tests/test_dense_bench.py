@@ -68,7 +68,8 @@ def test_without_gpu_says_so_and_exits_2(capsys):
 
 def test_dry_run(tmp_path):
     out = tmp_path / "dense.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--m", "1,3", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--m", "1,3", "--fma-tiles", "16,16,1;8,16,2",
+                           "--out", str(out)], cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -76,11 +77,21 @@ def test_dry_run(tmp_path):
     assert head["benchmark"] == "dense" and head["dry_run"] is True
     assert set(head["versions"]) == {"vllm", "torch", "triton", "vllm-sm121"} and "commit" in head
     assert set(head["config"]["shapes"]) == {"qkv", "o", "lm_head"}
-    recs = data["records"]
+    sweep = [r for r in data["records"] if "tile" in r]
+    recs = [r for r in data["records"] if "tile" not in r]
     assert len(recs) == 3 * len(bench.PROVIDERS) * 2
-    ours = [r for r in recs if r["provider"] == "sm121"]
+    ran = ("sm121", "sm121_fma", "cublas_bf16")  # the FMA GEMV runs under the interpreter too
+    ours = [r for r in recs if r["provider"] in ("sm121", "sm121_fma")]
     assert all(r["status"] == "ok" for r in ours)
     assert all(r["rel_l2_vs_own_weights"] < 1e-2 and r["rel_l2_vs_bf16"] < 0.05 for r in ours)
     assert all(r["status"] == "ok" for r in recs if r["provider"] == "cublas_bf16")
-    assert all(r["status"].startswith("unavailable") for r in recs if r["provider"] not in ("sm121", "cublas_bf16"))
+    assert all(r["status"].startswith("unavailable") for r in recs if r["provider"] not in ran)
+    # the tile sweep: every tile x shape x M (<= 4), each checked against its reference
+    assert sorted({(r["tile"], r["shape"], r["m"]) for r in sweep}) == sorted(
+        (t, s, m) for t in ("16,16,1", "8,16,2") for s in ("qkv", "o", "lm_head") for m in (1, 3))
+    assert all(r["status"] == "ok" and r["rel_l2_vs_own_weights"] < 1e-2 for r in sweep)
+    assert data["header"]["config"]["fma_tiles"] == ["16,16,1", "8,16,2"]
+    assert "fastest FMA tile for qkv M=1" in proc.stdout
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fma-tiles", "16,16"])
     assert "sm121 vs cuBLAS bf16" in proc.stdout

@@ -205,9 +205,11 @@ def test_configs_table():
         "kv_cache_dtype": "nvfp4",
     }
     # the gated MoE is measured through its environment opt-in, off the default list
-    assert dict(by["sm121-moe"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}
-    assert "sm121-moe" not in e2e.DEFAULT_CONFIGS
-    assert all(c.env == () for c in e2e.CONFIGS if c.name != "sm121-moe")
+    moe_on = ("sm121-moe", "sm121-fp8dense-moe")
+    for name in moe_on:
+        assert dict(by[name].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}
+        assert name not in e2e.DEFAULT_CONFIGS
+    assert all(c.env == () for c in e2e.CONFIGS if c.name not in moe_on)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,3 +425,13 @@ def test_greedy_agreement_tolerates_near_tie_flips_only():
     far1 = [[(7, lp(t7=-0.1, t5=-3.0)), (2, lp(t2=-0.1))]]
     _, bad = greedy_agreement(tie0, far1)
     assert bad and bad[0][:2] == (0, 0)
+
+
+def test_dry_run_plan_carries_the_config_environment(tmp_path):
+    out = tmp_path / "e2e.json"
+    r = _run("--dry-run", "--no-vllm-check", "--model", "models/gpt-oss-tiny", "--configs", "sm121,sm121-moe",
+             "--points", "tg128", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (m,) = json.loads(out.read_text())["models"]
+    envs = {run["config"]: run["plan"]["env"] for run in m["runs"]}
+    assert envs == {"sm121": {}, "sm121-moe": {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}}
