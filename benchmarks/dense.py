@@ -19,8 +19,10 @@ Providers
                       the FMA GEMV for M <= 4, M <= 1 on lm_head, else the MMA kernel above;
                       $VLLM_SM121_DENSE_FMA_MAX_M overrides the limit, 0 = MMA only).
     sm121_fma         the same with path="fma" (the CUDA-core GEMV; M <= 4 only, larger M are
-                      recorded "unavailable"). ``--providers sm121_fma,sm121`` times FMA against
-                      MMA at M <= 4.
+                      recorded "unavailable").
+    sm121_mma         the same with path="mma" (the tl.dot kernel at every M).
+                      ``--providers sm121_fma,sm121_mma`` times the two paths; sm121 records carry
+                      the path "auto" took ("path").
     cublas_bf16       ``torch.nn.functional.linear`` on the bf16 weights (cuBLAS; stock vLLM).
     torch_scaled_mm   ``torch._scaled_mm`` row-wise: same e4m3 weights and per-channel scales, the
                       activations quantized per token (``vllm._custom_ops.scaled_fp8_quant``, timed).
@@ -61,7 +63,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (5120, 2880, True), "o": (2880, 4096, True), "lm_head": (201088, 2880, False)}  # N, K, bias
 DRY_SHAPES = {"qkv": (80, 64, True), "o": (64, 64, True), "lm_head": (200, 64, False)}
-PROVIDERS = ("sm121", "sm121_fma", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8", "vllm_fp8_marlin")
+PROVIDERS = ("sm121", "sm121_fma", "sm121_mma", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8",
+             "vllm_fp8_marlin")
+SWEEP_MAX_REL_L2 = 1e-2  # a swept tile whose output is farther from its reference is a "mismatch"
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64)
 MIN_CALLS = 16
 FMA_MAX_M = 4  # kernels.dense.DENSE_FMA_KERNEL_MAX_M (not imported here: the module loads without vLLM)
@@ -174,6 +178,9 @@ def make_provider(provider: str, wts: dict, copies: int):
     if provider == "sm121":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"]), deq8,
                 "e4m3 W x bf16 A, Triton (kernels/dense.py, path=auto)")
+    if provider == "sm121_mma":
+        return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="mma"),
+                deq8, "e4m3 W x bf16 A, Triton MMA kernel (kernels/dense.py, path=mma)")
     if provider == "sm121_fma":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="fma"),
                 deq8, "e4m3 W x bf16 A, Triton CUDA-core GEMV (kernels/dense.py, path=fma)")
@@ -282,7 +289,7 @@ def run(args, device) -> tuple[list[dict], dict]:
         wts = make_weights(n, k, bias, device, seed=si)
         for p in args.providers:
             base = {"provider": p, "shape": name, "n": n, "k": k, "bias": bias}
-            if not cuda and p not in ("sm121", "sm121_fma", "cublas_bf16"):
+            if not cuda and p not in ("sm121", "sm121_fma", "sm121_mma", "cublas_bf16"):
                 records += [{**base, "m": m, "status": "unavailable: needs CUDA"} for m in args.m]
                 continue
             copies = _copies(p, n, k, bias, l2)
@@ -299,6 +306,10 @@ def run(args, device) -> tuple[list[dict], dict]:
                 x = torch.randn(m, k, generator=g, device=device).bfloat16()
                 nbytes = bytes_moved(p, n, k, bias, m)
                 rec = {**base, "m": m, "bytes": nbytes, "weight_copies": copies, "info": info}
+                if p == "sm121":
+                    from vllm_sm121.kernels.dense import select_path
+
+                    rec["path"] = select_path(m, n)
                 try:
                     if cuda:
                         times, out = time_rotating_graph(lambda i: fn(x, i), copies, args.reps)  # noqa: B023
@@ -340,7 +351,10 @@ def sweep_fma_tiles(args, device) -> list[dict]:
     try:
         for tile in args.fma_tiles:
             os.environ[DENSE_FMA_TILES_ENV] = tile
-            records += [dict(r, tile=tile) for r in run(sub, device)[0]]
+            for r in run(sub, device)[0]:
+                if r.get("status") == "ok" and r.get("rel_l2_vs_own_weights", 0.0) > SWEEP_MAX_REL_L2:
+                    r["status"] = f"mismatch: rel L2 {r['rel_l2_vs_own_weights']:.2e} vs its reference"
+                records.append(dict(r, tile=tile))
     finally:
         if old is None:
             os.environ.pop(DENSE_FMA_TILES_ENV, None)
@@ -417,7 +431,8 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))
     print(f"wrote {out_path}")
-    return 1 if any(r["provider"] == "sm121" and r.get("status") != "ok" and "tile" not in r for r in records) else 0
+    # exit 1 when the shipped path (sm121) or a swept tile failed or mismatched
+    return 1 if any(r.get("status") != "ok" and (r["provider"] == "sm121" or "tile" in r) for r in records) else 0
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -815,6 +816,17 @@ def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, 
     return rc, timed_out
 
 
+# Environment variables only a configuration's own ``env`` sets for its child process.
+ISOLATED_ENV = ("VLLM_SM121_MOE_EXPERIMENTAL",)
+
+
+def child_env(base: Mapping[str, str], extra: dict | None) -> dict[str, str]:
+    """A configuration's process environment: ``base`` without ISOLATED_ENV (the MoE opt-in belongs
+    to the configurations that name it: one exported in the caller's shell would silently switch
+    every plugin configuration), unbuffered output, then the configuration's own ``extra``."""
+    return {**{k: v for k, v in base.items() if k not in ISOLATED_ENV}, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
 def run_child(
     spec: dict, log_path: Path | None, timeout_s: float, verbose: bool, env: dict | None = None
 ) -> dict:
@@ -830,7 +842,8 @@ def run_child(
             str(spec_path),
             str(res_path),
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        env = child_env(os.environ, env)
+        sm121_env = {k: v for k, v in env.items() if k.startswith("VLLM_SM121_")}
         tail: collections.deque[str] = collections.deque(maxlen=60)
         backend_lines: list[str] = []
         error_lines: list[str] = []
@@ -879,6 +892,7 @@ def run_child(
         except (OSError, ValueError):
             res = {"error": f"child exited rc={rc} without a result"}
     res["returncode"] = rc
+    res["sm121_env"] = sm121_env  # the plugin's environment the child ran with
     res["backend_log_lines"] = backend_lines
     if capacity:  # KV-cache capacity vLLM reported at startup (bf16 vs fp8 vs nvfp4 pages)
         res["kv_cache_tokens"] = capacity[-1]

@@ -21,8 +21,10 @@ Method
 
     "standalone quantization kernels": kernels whose name matches QUANT_RE and not FUSED_RE
     (the plugin's producers that quantize as part of other work: norm, SwiGLU, FC1/FC2, KV
-    write). The plugin's MoE routing kernel doubles as the bf16 -> MXFP8 quantizer where no
-    MXFP8 producer feeds the experts: its count per layer (1 = routing only) is printed too.
+    write). The plugin's MoE routing kernel (``_moe_route_kernel``) doubles as the bf16 -> MXFP8
+    quantizer where no MXFP8 producer feeds the experts: read its per-layer count in the kernel
+    list (1 = routing only, 2 = routing + a standalone quantization). The "kernels" list holds
+    every device activity the profiler records, device copies and memsets included.
 
 Output: a table, and JSON (--out) with the header (device, versions, commit), the LLM kwargs
 and the per-step counts.
@@ -121,8 +123,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--dry-run", action="store_true", help="print the LLM kwargs and exit (no GPU needed)")
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
+    for name in ("steps", "capture_size", "top"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.moe_experimental and args.backend != "SM121":
+        ap.error("--moe-experimental needs --backend SM121 (the plugin's MoE is on by default only with the "
+                 "SM121 attention backend)")
     args.model = Path(args.model).resolve()
     cfg_path = args.model / "config.json"
     if not cfg_path.is_file():

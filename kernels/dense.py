@@ -49,10 +49,11 @@ Limitations
     may under-fill a 132-SM H100 (GB10 has 48 SMs). MXFP8 / MXFP4 weights have torch references
     only.
 
-    The FMA decode path (M <= 4, now the default there) is UNTIMED on any GPU: written and checked
-    on the CPU only (interpreter tests against the reference, sm_121a / sm_90a PTX), its tiles are
-    guesses; the MMA numbers above are what it must beat (``benchmarks/dense.py --providers
-    sm121_fma,sm121,cublas_bf16``). The activations must satisfy |x| < 2**64 (the 2**64 pre-scale;
+    The FMA decode path (the default for M <= 4, M <= 1 on lm_head) was timed on an H100 at
+    8e7318f: qkv 8.7 µs, o 8.6, lm_head 204 at M = 1 (59% / 47% / 98% of the copy bandwidth;
+    cuBLAS bf16 13.5 / 14.4 / 409); its tiles are the first guess, not swept yet
+    (``benchmarks/dense.py --fma-tiles``; ``--providers sm121_fma,sm121_mma,cublas_bf16``
+    compares the paths). The activations must satisfy |x| < 2**64 (the 2**64 pre-scale;
     bf16 allows 2**128); below ~2**-60 their products with small codes lose bits as fp32
     denormals. e4m3 NaN codes are decoded as finite values (the converter never writes them).
 """
@@ -101,8 +102,9 @@ PREFILL_NUM_STAGES = 3
 
 # Decode for very few tokens: the CUDA-core (FMA) GEMV (``dense_details/_dense_fma.py``).
 # path="auto" takes it for M <= DENSE_FMA_MAX_M (<= DENSE_FMA_KERNEL_MAX_M, the accumulators the
-# kernel unrolls); 0 turns it off. $VLLM_SM121_DENSE_FMA_MAX_M, read at call time, overrides it
-# (A/B runs). The path depends on M alone, so a captured CUDA graph replays the same kernel.
+# kernel unrolls); 0 turns it off. $VLLM_SM121_DENSE_FMA_MAX_M, read at each call (under CUDA
+# graphs: at capture), overrides it (A/B runs). The path depends on M and N alone, so a captured
+# CUDA graph replays the same kernel.
 DENSE_FMA_KERNEL_MAX_M = 4
 # H100, benchmarks/dense.py at 8e7318f (docs/dense-h100-8e7318f.json), FMA vs the MMA kernel, µs:
 # qkv M=1/2/4 8.7/10.6/16.1 vs 19.4; o 8.6/9.3/14.0 vs 17.7 (cuBLAS bf16: 13.5 and 14.4);

@@ -217,7 +217,7 @@ class FmaTiles:
 #   M=4  64,256,32,256,8,2,4,2   179.6 / 115.6 / 69.0
 # fc2_split (split-K of FC2), H100 at bd8218e (docs/logs/moe-fma-split-sweep-h100-bd8218e.txt): no
 # gain (M=1 52.7 us with 1 or 4 splits; M=2/4 slower with splits: 104.5/191.6 at 2, 108.0/203.0
-# at 4 vs 98.4/179.6 unsplit), so it stays 1; vLLM's triton_kernels MoE in that run: 66.3 / 83.9 /
+# at 4 vs 99.9/179.7 for the unsplit default tiles in the same run), so it stays 1; vLLM's triton_kernels MoE in that run: 66.3 / 83.9 /
 # 142.5 us at M = 1 / 2 / 4 (ours wins at M = 1 only). sm_12x: the sm_90
 # choice (not measured: no GB10 here). The interpreter gets small tiles (its cost grows with
 # the tile). Overridden at call time, for every M, by

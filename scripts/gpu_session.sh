@@ -54,12 +54,14 @@ for step in "$@"; do
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
     densegpu) python3 -m pytest -q -m gpu tests/test_dense.py -p no:cacheprovider 2>&1 | tail -n 15 | tee "$OUT/densegpu.log" ;;
     moefmasweep) python3 benchmarks/moe.py --m 1,2,4 --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,1,4,1,2;64,256,32,256,4,1,4,1,4;64,256,16,256,4,1,4,1,2;64,256,32,256,8,2,4,2,2;64,256,32,256,8,2,4,2,4}" --out "$OUT/moe_fma_sweep.json" 2>&1 | tee "$OUT/moefmasweep.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
-    densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-16,128,8;8,128,4;8,128,8;16,64,4;32,128,8;4,128,4;16,256,8;8,256,8}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
+    densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-16,128,8;8,128,4;8,128,8;16,64,4;32,128,8;4,128,4;16,256,8;8,256,8}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;
-    profile) for a in "--backend default" "--backend SM121" "--backend SM121 --dense-fp8" "--eager --backend default" "--eager --moe-experimental --dense-fp8"; do
-               tag=$(echo "$a" | tr -d ' -'); python3 benchmarks/profile_step.py $a ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" > "/tmp/profile_$tag.log" 2>&1
-               echo "--- profile $a: rc $?" | tee -a "$OUT/profile.log"; sed -n '/^device/,$p' "/tmp/profile_$tag.log" | tee -a "$OUT/profile.log" | head -n 45; done ;;
+    profile) fail=0; for a in "--backend default" "--backend SM121" "--backend SM121 --dense-fp8" "--eager --backend default" "--eager --moe-experimental --dense-fp8"; do
+               tag=$(echo "$a" | tr -d ' -'); python3 benchmarks/profile_step.py $a ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" > "/tmp/profile_$tag.log" 2>&1; r=$?
+               echo "--- profile $a: rc $r" | tee -a "$OUT/profile.log"
+               if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profile.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profile.log"; fi
+             done; grep -A8 "^--- profile\|^CUDA API" "$OUT/profile.log" | head -n 80; (exit $fail) ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;

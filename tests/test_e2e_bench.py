@@ -435,3 +435,12 @@ def test_dry_run_plan_carries_the_config_environment(tmp_path):
     (m,) = json.loads(out.read_text())["models"]
     envs = {run["config"]: run["plan"]["env"] for run in m["runs"]}
     assert envs == {"sm121": {}, "sm121-moe": {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}}
+
+
+def test_child_env_isolates_the_moe_opt_in():
+    base = {"PATH": "/bin", "VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_DENSE_FMA_MAX_M": "2"}
+    env = e2e.child_env(base, {})
+    assert "VLLM_SM121_MOE_EXPERIMENTAL" not in env  # only a config's own env turns the MoE on
+    assert env["PATH"] == "/bin" and env["VLLM_SM121_DENSE_FMA_MAX_M"] == "2" and env["PYTHONUNBUFFERED"] == "1"
+    on = e2e.child_env(base, {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "PYTHONUNBUFFERED": "0"})
+    assert on["VLLM_SM121_MOE_EXPERIMENTAL"] == "1" and on["PYTHONUNBUFFERED"] == "0"

@@ -16,13 +16,7 @@ GPT_OSS = types.SimpleNamespace(model_type="gpt_oss")
 def moe_ready(monkeypatch):
     """The MoE path is gated off (vllm_sm121.moe.READY) until it passes on a GPU; these tests
     exercise its wiring as it will be switched on, and register its config themselves."""
-    import dataclasses
-
-    from vllm_sm121 import config
-
-    monkeypatch.setattr(moe, "READY", True)
-    monkeypatch.setitem(config.OPTIONS, "moe", dataclasses.replace(config.OPTIONS["moe"],
-                                                                   implemented=("mxfp8", "upstream")))
+    monkeypatch.setattr(moe, "READY", True)  # config.implemented("moe") reads it at parse time
     moe.register()
 LLAMA = types.SimpleNamespace(model_type="llama")
 
@@ -88,7 +82,7 @@ def test_explicit_mxfp8_without_sm121_backend():
     from vllm_sm121 import config
 
     cfg = vllm_config(backend="TRITON_ATTN", sm121={"moe": "mxfp8"})
-    if "mxfp8" in config.OPTIONS["moe"].implemented:
+    if "mxfp8" in config.implemented("moe"):
         assert moe.resolve_moe(cfg) == "mxfp8"
         assert moe.resolve_moe(vllm_config(backend=None, sm121={"moe": "mxfp8"}, hf_config=LLAMA)) == "upstream"
     else:
@@ -178,10 +172,11 @@ def test_gated_off_until_ready(monkeypatch):
 
     monkeypatch.setattr(moe, "READY", False)
     assert moe.resolve_moe(vllm_config()) == "upstream"
-    monkeypatch.undo()
-    assert "mxfp8" not in config.OPTIONS["moe"].implemented
+    assert "mxfp8" not in config.OPTIONS["moe"].implemented and config.implemented("moe") == ("upstream",)
     with pytest.raises(ValueError, match="not implemented"):
         config.parse({"sm121": {"moe": "mxfp8"}})
+    monkeypatch.setattr(moe, "READY", True)  # the gate is read at parse time
+    assert config.parse({"sm121": {"moe": "mxfp8"}}).moe == "mxfp8"
 
 
 def test_experimental_env_opts_in_every_process():
@@ -192,7 +187,7 @@ def test_experimental_env_opts_in_every_process():
     import sys
 
     code = ("from vllm_sm121 import config, moe; "
-            "print(moe.READY, 'mxfp8' in config.OPTIONS['moe'].implemented)")
+            "print(moe.READY, 'mxfp8' in config.implemented('moe'))")
     for value, want in (("1", "True True"), ("0", "False False"), (None, "False False")):
         env = {k: v for k, v in os.environ.items() if k != moe.EXPERIMENTAL_ENV}
         if value is not None:

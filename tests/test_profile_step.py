@@ -46,7 +46,9 @@ def test_dry_run_prints_kwargs_and_bad_input():
     assert r.returncode == 0 and "attention_backend" not in r.stdout
     with pytest.raises(SystemExit):
         P.main(["--dry-run", "--backend", "FLASHINFER"])
-    with pytest.raises(SystemExit):
-        P.main(["--dry-run", "--steps", "0"])
+    for bad in (["--steps", "0"], ["--capture-size", "0"], ["--top", "0"],
+                ["--moe-experimental", "--backend", "TRITON_ATTN"]):
+        with pytest.raises(SystemExit):
+            P.main(["--dry-run", *bad])
     with pytest.raises(SystemExit):
         P.main(["--dry-run", "--model", str(REPO)])

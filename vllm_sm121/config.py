@@ -30,7 +30,7 @@ from vllm_sm121 import moe as _moe  # noqa: E402  (import-light: READY, the opt-
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in (
-        Option("moe", ("mxfp8", "upstream"), ("mxfp8", "upstream") if _moe.READY else ("upstream",), None,
+        Option("moe", ("mxfp8", "upstream"), ("upstream",), None,
                "gpt-oss MXFP4 experts with MXFP8 activations (on by default for gpt-oss MXFP4 checkpoints "
                "with --attention-backend SM121 once vllm_sm121.moe.READY; see resolve_moe); 'upstream' keeps vLLM's MoE"),
         Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16", "fp8"), "bf16",
@@ -50,6 +50,15 @@ class Sm121Config:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def implemented(name: str) -> tuple[str, ...]:
+    """The values of option ``name`` this process can run: ``OPTIONS[name].implemented``, and every
+    value of "moe" while the gated MoE is on (``vllm_sm121.moe.READY``, read now)."""
+    opt = OPTIONS[name]
+    if name == "moe" and _moe.READY:
+        return opt.values
+    return opt.implemented
 
 
 def _where(name: str) -> str:
@@ -74,13 +83,13 @@ def parse(additional_config: dict | None) -> Sm121Config:
                          f"supported options: {', '.join(OPTIONS)}")
     values = {}
     for name, value in section.items():
-        opt = OPTIONS[name]
+        opt, runs = OPTIONS[name], implemented(name)
         if value not in opt.values:
             raise ValueError(f"{_where(name)}: {value!r} is not a valid value for '{name}'; "
-                             f"supported: {', '.join(opt.implemented)}")
-        if value not in opt.implemented:
+                             f"supported: {', '.join(runs)}")
+        if value not in runs:
             raise ValueError(f"{_where(name)}: '{name}': {value!r} is not implemented in this vllm-sm121 release; "
-                             f"supported now: {', '.join(opt.implemented)}")
+                             f"supported now: {', '.join(runs)}")
         values[name] = value
     return Sm121Config(**values)
 
