@@ -506,6 +506,14 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
 # variable VLLM_SM121_MOE_FMA_MAX_TOKENS, read at call time, overrides it (A/B runs).
 FMA_MAX_TOKENS = 4
 FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
+# Chunked FMA: M up to FMA_CHUNK_MAX_TOKENS runs the FMA GEMVs on consecutive chunks of
+# FMA_KERNEL_MAX_TOKENS tokens after one routing launch (each token's output depends on its own
+# slots only). With distinct experts per token (real routing at small M) the weight bytes are
+# those of one call; H100 at 8e7318f: FMA 179 us at M = 4 vs 670 us for the dot_scaled decode at
+# M = 8 and 1.5 ms for the grouped GEMMs. Off (0) until timed on a GPU:
+# $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS (read at call time) turns it on for A/B runs.
+FMA_CHUNK_MAX_TOKENS = 0
+FMA_CHUNK_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS"
 DECODE_MAX_TOKENS = 8
 PATHS = ("auto", "fma", "decode", "grouped")
 
@@ -514,7 +522,9 @@ def select_path(m: int) -> str:
     """The path ``moe_block(path="auto")`` takes for M tokens (from M alone: graph-capturable)."""
     env = os.environ.get(FMA_MAX_TOKENS_ENV, "").strip()
     fma_max = min(int(env) if env else FMA_MAX_TOKENS, FMA_KERNEL_MAX_TOKENS)
-    if m <= fma_max:
+    env = os.environ.get(FMA_CHUNK_MAX_TOKENS_ENV, "").strip()
+    chunk_max = int(env) if env else FMA_CHUNK_MAX_TOKENS
+    if m <= fma_max or (fma_max > 0 and m <= chunk_max):
         return "fma"
     return "decode" if m <= DECODE_MAX_TOKENS else "grouped"
 
@@ -527,24 +537,27 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
     (from the fused norm). router_logits: [M, E]. The path is chosen from M alone
     (``select_path``), so a captured CUDA graph always replays the same kernels; ``path`` forces
-    one ("fma": M <= FMA_KERNEL_MAX_TOKENS only).
+    one ("fma" above FMA_KERNEL_MAX_TOKENS tokens: the FMA GEMVs per chunk of that many tokens,
+    after one routing launch for all of them).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
     m = x.shape[0]
     if path == "auto":
         path = select_path(m)
-    if path == "fma" and m > FMA_KERNEL_MAX_TOKENS:
-        raise ValueError(f"path='fma' takes at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
     if path in ("fma", "decode"):
         if x.dtype == torch.bfloat16:  # routing and the MXFP8 quantization of x in one launch
             topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous())
         else:
             topk_w, topk_ids = moe_route(router_logits, topk)
         if path == "fma":
-            tiles = fma_tiles(x, m)
-            h, h_scale = moe_fc1_swiglu_fma(x, x_scale, w13, w13_scale, w13_bias, topk_ids, tiles)
-            return moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, tiles)
+            outs = []
+            for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
+                sl = slice(c, c + FMA_KERNEL_MAX_TOKENS)
+                tiles = fma_tiles(x, x[sl].shape[0])
+                h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles)
+                outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
     topk_w, topk_ids = moe_route(router_logits, topk)

@@ -248,18 +248,27 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     assert K.select_path(1) == "decode"
     monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "99")  # capped at what the kernels take
     assert K.select_path(K.FMA_KERNEL_MAX_TOKENS + 1) == "decode"
+    # chunked FMA: off by default (untimed), on for M up to its limit while the FMA path is on
+    monkeypatch.delenv(K.FMA_MAX_TOKENS_ENV)
+    assert K.FMA_CHUNK_MAX_TOKENS == 0
+    monkeypatch.setenv(K.FMA_CHUNK_MAX_TOKENS_ENV, "16")
+    assert [K.select_path(m) for m in (4, 5, 16, 17)] == ["fma", "fma", "fma", "grouped"]
+    monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "0")
+    assert K.select_path(5) == "decode"
     with pytest.raises(ValueError, match="at most 4 tokens"):
         K.moe_fc1_swiglu_fma(torch.zeros(5, 64).bfloat16(), None, torch.zeros(2, 64, 32, dtype=torch.uint8),
                              torch.zeros(2, 64, 2, dtype=torch.uint8), torch.zeros(2, 64).bfloat16(),
                              torch.zeros(5, 2, dtype=torch.int32))
 
 
-def test_fma_block_path_matches_reference(device):
+@pytest.mark.parametrize("m", [4, 9])
+def test_fma_block_path_matches_reference(device, m):
     """moe_block(path="fma") end to end (routing + MXFP8 quantization of bf16 x, FC1, FC2, combine)
-    and with MXFP8 input, against the fp32 reference, at M = 4 (the largest FMA batch)."""
+    and with MXFP8 input, against the fp32 reference, at M = 4 (the largest FMA batch) and M = 9
+    (chunks of 4, 4 and 1 tokens after one routing launch)."""
     from vllm_sm121.kernels import moe as K
 
-    m, hidden, i, e, topk = 4, 64, 64, 8, 2
+    hidden, i, e, topk = 64, 64, 8, 2
     g = torch.Generator().manual_seed(40)
     w13 = torch.randint(0, 256, (e, 2 * i, hidden // 2), generator=g, dtype=torch.uint8)
     w13_s = torch.randint(118, 122, (e, 2 * i, hidden // 32), generator=g, dtype=torch.uint8)
@@ -280,6 +289,9 @@ def test_fma_block_path_matches_reference(device):
     q, s = mxfp8_quantize_torch(x.float())
     out_q = K.moe_block(dev(q), dev(logits), *map(dev, args), topk, x_scale=dev(s), path="fma").cpu()
     assert torch.equal(out_q, out)
+    if m > K.FMA_KERNEL_MAX_TOKENS:  # a chunk's tokens get exactly what they get alone
+        first = K.moe_block(dev(x[:4]), dev(logits[:4]), *map(dev, args), topk, path="fma").cpu()
+        assert torch.equal(out[:4], first)
 
 
 # ---- GPU: the FMA path at gpt-oss shapes ----------------------------------------------------------
