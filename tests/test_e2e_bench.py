@@ -444,3 +444,25 @@ def test_child_env_isolates_the_moe_opt_in():
     assert env["PATH"] == "/bin" and env["VLLM_SM121_DENSE_FMA_MAX_M"] == "2" and env["PYTHONUNBUFFERED"] == "1"
     on = e2e.child_env(base, {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "PYTHONUNBUFFERED": "0"})
     assert on["VLLM_SM121_MOE_EXPERIMENTAL"] == "1" and on["PYTHONUNBUFFERED"] == "0"
+
+
+def test_run_tg_pairs_adds_iterations_until_two_agree():
+    """A stall in the first pairs costs extra pairs instead of a flagged point; clean runs stop at
+    --iters; a run that never confirms stops at the extra budget, flagged."""
+    step, n, batch = 0.004, 128, 8
+    clean = (0.1, 0.1 + (n - 1) * step)
+
+    def pairs(seq):
+        it = iter(seq)
+        return lambda: next(it)
+
+    stalled = [(1.5, clean[1]), (clean[0], clean[1] + 2.0), clean, (clean[0], clean[1] + 1.0), clean, clean]
+    rec = e2e.run_tg_pairs(pairs(stalled), 3, 4, n, batch, lambda msg: None)
+    assert rec["extra_iters"] == 2 and len(rec["t_1_s"]) == 5  # the 5th pair is the 2nd clean one
+    assert "suspect" not in rec and rec["agreeing_iters"] == 2
+    assert rec["ms_per_step"] == pytest.approx(step * 1e3)
+    rec = e2e.run_tg_pairs(pairs([clean] * 9), 3, 4, n, batch, lambda msg: None)
+    assert rec["extra_iters"] == 0 and "suspect" not in rec
+    never = [(clean[0] + 0.01 * i, clean[1] + 0.5 * i) for i in range(1, 9)]
+    rec = e2e.run_tg_pairs(pairs(never), 3, 2, n, batch, lambda msg: None)
+    assert rec["extra_iters"] == 2 and "suspect" in rec
