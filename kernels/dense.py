@@ -148,9 +148,9 @@ class DenseFmaTiles:
         return f"{self.rows},{self.kw},{self.num_warps}"
 
 
-# performance hyper-parameters, per architecture family: NOT measured on any GPU yet (set before
-# a GPU run; benchmarks/dense.py --providers sm121_fma times them, $VLLM_SM121_DENSE_FMA_TILES
-# sweeps them). 16 rows x 128 words (512 bytes) per K step, 8 warps: each thread loads two
+# performance hyper-parameters, per architecture family: set before any GPU run and timed as is
+# on an H100 at 8e7318f (numbers above), not swept yet (benchmarks/dense.py --fma-tiles sweeps
+# them through $VLLM_SM121_DENSE_FMA_TILES). 16 rows x 128 words (512 bytes) per K step, 8 warps: each thread loads two
 # 16-byte weight vectors and two 16-byte activation vectors per token per step (8 KB of weights
 # per program in flight); qkv (N = 5120) is 320 programs, o (N = 2880) 180, lm_head 12568.
 # Pitfall (sm_121a / sm_90a PTX, triton 3.6): with kw >= 32 * warps Triton loads the activation

@@ -33,9 +33,8 @@ nothing sm_90-only.
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import to_bf16_rne
+from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
 
-E4M3_MASK = tl.constexpr(-2014314496)  # 0x87F00000 as int32: sign bit + fp32 bits 26..20
 BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
 # Activations are multiplied by 2**X_EXP before the products (exact): the decoded weights carry
 # 2**-120, so products of small codes and small activations would otherwise be fp32 denormals
@@ -51,16 +50,6 @@ def _launch_metadata(grid, kernel, args):
     m, n, k = args["NT"], args["N"], args["K"]
     return {"name": f"{kernel.name} [M={m}, N={n}, K={k}]", "flops": 2 * m * n * k,
             "bytes": n * k + 4 * n + 2 * m * k + 2 * m * n}
-
-
-@triton.jit
-def _e4m3_byte(w, J: tl.constexpr):
-    """Byte J (0 = lowest) of int32 words -> fp32 e4m3 value * 2**-120 (exact; denormals kept)."""
-    if J == 3:
-        v = w >> 4
-    else:
-        v = (w << (24 - 8 * J)) >> 4
-    return (v & E4M3_MASK).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -119,10 +108,10 @@ def _dense_fp8_fma_kernel(
         offs_w = k0 + offs_c
         w_ok = offs_w < KW
         w = tl.load(w_base + offs_w[None, :], mask=w_ok[None, :], other=0)
-        w0 = _e4m3_byte(w, 0)
-        w1 = _e4m3_byte(w, 1)
-        w2 = _e4m3_byte(w, 2)
-        w3 = _e4m3_byte(w, 3)
+        w0 = e4m3_word_byte(w, 0)
+        w1 = e4m3_word_byte(w, 1)
+        w2 = e4m3_word_byte(w, 2)
+        w3 = e4m3_word_byte(w, 3)
         acc0 += _token_dot(w0, w1, w2, w3, x_ptr, offs_w, w_ok, BLOCK_R, BLOCK_KW)
         if NT > 1:
             acc1 += _token_dot(w0, w1, w2, w3, x_ptr + stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)

@@ -10,6 +10,23 @@ import triton
 import triton.language as tl
 
 
+E4M3_WORD_MASK = tl.constexpr(-2014314496)  # 0x87F00000 as int32: sign bit + fp32 bits 26..20
+
+
+@triton.jit
+def e4m3_word_byte(w, J: tl.constexpr):
+    """Byte J (0 = lowest) of int32 words -> fp32 e4m3 value * 2**-120, exact: ``((w << (24 - 8J))
+    >> 4) & 0x87F00000`` (arithmetic shift: the sign lands in bit 31, the 4 exponent + 3 mantissa
+    bits in fp32 bits 26..20) bitcast to fp32; e4m3 denormals become fp32 denormals (kept: no
+    .ftz), NaN codes are not special. Three integer ops, no conversion instruction (the FMA GEMVs
+    of the dense and MoE kernels)."""
+    if J == 3:
+        v = w >> 4
+    else:
+        v = (w << (24 - 8 * J)) >> 4
+    return (v & E4M3_WORD_MASK).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _pow2(k):
     """2**k as fp32 for integer k in [-126, 127] (exact)."""

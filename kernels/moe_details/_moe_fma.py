@@ -42,11 +42,10 @@ Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions pe
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import _pow2
+from ..kv_cache_details._codecs import _pow2, e4m3_word_byte
 from ._mx import mxfp8_quantize_rows_fast, routed_tokens
 
 E2M1_MASK = tl.constexpr(-2118123520)  # 0x81C00000 as int32: sign bit + fp32 bits 24..22
-E4M3_MASK = tl.constexpr(-2014314496)  # 0x87F00000 as int32: sign bit + fp32 bits 26..20
 TWO_127 = tl.constexpr(1.7014118346046923e38)  # 2**127
 # group sum (units of 2**-119: e2m1 * 2**-126 times e4m3 * 2**7) -> value: 2**119 folded into
 # the scale exponent
@@ -62,7 +61,7 @@ def _e2m1_nibble(w, J: tl.constexpr):
 @triton.jit
 def _e4m3_byte(x, J: tl.constexpr):
     """Byte J (0 = lowest) of int32 words -> fp32 e4m3 value * 2**7 (exact; NaN codes not special)."""
-    return (((x << (24 - 8 * J)) >> 4) & E4M3_MASK).to(tl.float32, bitcast=True) * TWO_127
+    return e4m3_word_byte(x, J) * TWO_127
 
 
 @triton.jit
