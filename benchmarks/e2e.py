@@ -8,10 +8,12 @@ Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
     python benchmarks/e2e.py --model gpt-oss-20b --configs sm121,upstream-triton --iters 5
     python benchmarks/e2e.py --merge a.json b.json --out all.json   # one table from split runs
     python benchmarks/e2e.py --dry-run --model gpt-oss-20b  # no GPU: plan, LLM kwargs, bytes
+    python benchmarks/e2e.py --model <dir>/gpt-oss-120b --tensor-parallel-size 2 [--enable-expert-parallel]
 
     On the GPU machine: ``bash scripts/gpu_session.sh <part-dir> e2equick`` (or ``e2e120b``,
-    ``e2e20b``); ``E2E_CONFIGS=a,b`` picks configurations and ``E2E_TAG`` suffixes the output
-    names, so a run longer than one call is split over calls and joined with ``--merge``.
+    ``e2e20b``; ``e2etp``: 120b at ``--tensor-parallel-size ${E2E_TP:-2}``); ``E2E_CONFIGS=a,b``
+    picks configurations and ``E2E_TAG`` suffixes the output names, so a run longer than one call
+    is split over calls and joined with ``--merge``.
     Set ``VLLM_SM121_COMMIT`` where the tree has no .git.
 
 Models
@@ -26,6 +28,18 @@ Configurations (``CONFIGS`` below; ``--configs a,b``; a new plugin switch is one
     to start is recorded with its error and the run goes on. The exact LLM(...) kwargs of
     each are printed and stored. ``--llm-kwargs JSON`` is merged into every configuration
     (dicts merged recursively; ``null`` deletes a key).
+
+Tensor / expert parallelism (``--tensor-parallel-size N``, ``--enable-expert-parallel``)
+    Apply to every configuration (upstream and plugin alike: the comparison stays same machine,
+    same settings): ``tensor_parallel_size=N`` / ``enable_expert_parallel=True`` go into the base
+    LLM kwargs (N = 1 adds nothing: vLLM's default). N > 1: the child's environment gets
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless the caller set it (forked workers break once
+    the child process has initialized CUDA; spawned ones do not care), and a child with fewer than N
+    GPUs refuses before loading anything. Bytes per token are then stated per GPU (total / N:
+    TP shards qkv / o by heads, lm_head by vocab rows, each expert's intermediate dimension, the
+    KV by heads; EP spreads whole experts, the same 1/N in expectation; the replicated router and
+    norms are < 1% of it), % BW is against one GPU's copy bandwidth (all N read at once), and
+    the GB10 projection is for N GB10s ("2x GB10": 273 GB/s x efficiency / per-GPU bytes).
 
 Points (``POINTS`` below; ``--points a,b``)
     pp2048      batch-1 prefill: 2048 / t(2048-token prompt, max_tokens=1) tok/s (includes the
@@ -327,16 +341,35 @@ def dense_kind(llm_kwargs: dict) -> str:
     return extra.get("dense_weights", "bf16")
 
 
+def tp_size(llm_kwargs: dict) -> int:
+    """GPUs one engine spreads the model over (LLM(tensor_parallel_size=...); 1 when unset)."""
+    return int(llm_kwargs.get("tensor_parallel_size") or 1)
+
+
+def with_tp(b: dict[str, float], n: int) -> dict[str, float]:
+    """``b`` plus the per-GPU bytes at TP=n (total / n, see the docstring); n = 1: ``b`` as is,
+    so single-GPU records stay what they were."""
+    if n > 1:
+        b.update(tensor_parallel_size=n, per_gpu_step=b["per_step"] / n, per_gpu_token=b["per_token"] / n)
+    return b
+
+
+def per_gpu(b: dict) -> tuple[float, float]:
+    """(bytes per step, bytes per token) one GPU reads: the totals unless ``with_tp`` split them."""
+    return b.get("per_gpu_step", b["per_step"]), b.get("per_gpu_token", b["per_token"])
+
+
 def point_bytes(cfg: dict, pt: Point, llm_kwargs: dict) -> dict[str, float] | None:
-    """decode_bytes for a decode point under these LLM kwargs (None: prefill, or a format
-    the bytes model does not know)."""
+    """decode_bytes for a decode point under these LLM kwargs, with the per-GPU share at TP > 1
+    (None: prefill, or a format the bytes model does not know)."""
     if pt.kind != "tg":
         return None
     try:
         kv = kv_kind(llm_kwargs.get("kv_cache_dtype"))
-        return decode_bytes(
+        b = decode_bytes(
             cfg, batch=pt.batch, ctx=pt.decode_ctx, kv=kv, dense=dense_kind(llm_kwargs)
         )
+        return with_tp(b, tp_size(llm_kwargs))
     except ValueError:
         return None
 
@@ -377,7 +410,7 @@ def round_up(x: int, m: int) -> int:
 
 
 def base_llm_kwargs(
-    model_dir: Path, hf: dict, points: list[Point], quick: bool, seed: int
+    model_dir: Path, hf: dict, points: list[Point], quick: bool, seed: int, tp: int = 1, ep: bool = False
 ) -> dict:
     needed = max(4096, round_up(max(p.max_len for p in points), 1024))
     positions = int(hf.get("max_position_embeddings") or 0)
@@ -393,7 +426,25 @@ def base_llm_kwargs(
     }
     if quick:
         kw["compilation_config"] = dict(QUICK_COMPILATION)
+    # in the base: every configuration, upstream included, runs at the same parallelism
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+    if ep:
+        kw["enable_expert_parallel"] = True
     return kw
+
+
+SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def engine_env(config_env: Mapping[str, str], llm_kwargs: dict, base: Mapping[str, str]) -> dict[str, str]:
+    """A configuration's own environment, plus ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` at TP > 1
+    unless ``base`` (the caller's environment) sets it: forked workers break once the child has
+    initialized CUDA (its torch.cuda checks, vLLM's start-up); spawned ones do not care."""
+    env = dict(config_env)
+    if tp_size(llm_kwargs) > 1 and SPAWN_ENV not in base:
+        env.setdefault(SPAWN_ENV, "spawn")
+    return env
 
 
 def llm_kwargs_for(config: Config, base: dict, override: dict) -> dict:
@@ -438,7 +489,8 @@ def build_plan(args) -> list[ModelPlan]:
             shape = model_shape(hf)
         except ValueError as e:
             raise ValueError(f"--model {text!r}: {path / 'config.json'}: {e}") from e
-        base = base_llm_kwargs(path, hf, points, args.quick, args.seed)
+        base = base_llm_kwargs(path, hf, points, args.quick, args.seed,
+                               getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False))
         runs = []
         for cfg in args.config_objs:
             kw = llm_kwargs_for(cfg, base, args.llm_kwargs_obj)
@@ -460,7 +512,7 @@ def build_plan(args) -> list[ModelPlan]:
                     "note": cfg.note,
                     "upstream": cfg.upstream,
                     "llm_kwargs": kw,
-                    "env": dict(cfg.env),
+                    "env": engine_env(dict(cfg.env), kw, os.environ),
                     "points": [dataclasses.asdict(p) for p in points],
                     "skipped": skipped,
                 }
@@ -551,6 +603,7 @@ def measure_copy_bandwidth(reps: int = 10) -> dict:
         "device": p.name,
         "capability": f"{p.major}.{p.minor}",
         "sm_count": p.multi_processor_count,
+        "device_count": torch.cuda.device_count(),  # --tensor-parallel-size needs that many
         "total_memory_gib": round(p.total_memory / 2**30, 2),
         "torch_cuda": torch.version.cuda,
     }
@@ -580,6 +633,8 @@ def engine_info(llm) -> dict:
         "max_model_len": lambda: vc.model_config.max_model_len,
         "max_num_seqs": lambda: vc.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": lambda: vc.scheduler_config.max_num_batched_tokens,
+        "tensor_parallel_size": lambda: vc.parallel_config.tensor_parallel_size,
+        "enable_expert_parallel": lambda: vc.parallel_config.enable_expert_parallel,
         "async_scheduling": lambda: vc.scheduler_config.async_scheduling,
         "quantization": lambda: vc.model_config.quantization,
         "additional_config": lambda: vc.additional_config,
@@ -690,6 +745,14 @@ def run_point(llm, pt: Point, vocab: int, spec: dict, say) -> dict:
     return rec
 
 
+def tp_gpu_problem(tp: int, device_count: int) -> str | None:
+    """Why a TP=``tp`` engine cannot start on ``device_count`` GPUs (None: it can)."""
+    if tp <= device_count:
+        return None
+    return (f"--tensor-parallel-size {tp} needs {tp} GPUs, this machine has {device_count} "
+            "(torch.cuda.device_count(), after CUDA_VISIBLE_DEVICES); use a larger machine or a smaller size")
+
+
 def start_engine(llm_kwargs: dict, res: dict, result_path: str, log):
     """``LLM(**llm_kwargs)`` in a configuration's child process, timed into ``res["startup_s"]``;
     on failure records the error in ``res``, writes it to ``result_path`` and returns None."""
@@ -697,10 +760,14 @@ def start_engine(llm_kwargs: dict, res: dict, result_path: str, log):
     t0 = time.perf_counter()
     try:
         import torch
-        from vllm import LLM
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU: torch.cuda.is_available() is False")
+        problem = tp_gpu_problem(tp_size(llm_kwargs), torch.cuda.device_count())
+        if problem:  # before importing vLLM and starting workers that cannot exist
+            raise RuntimeError(problem)
+        from vllm import LLM
+
         llm = LLM(**llm_kwargs)
     except Exception as e:  # noqa: BLE001
         res["error"] = f"engine start-up failed: {_short_error(e)}"
@@ -973,7 +1040,13 @@ def git_info() -> dict:
     return info
 
 
+def parallel_label(tp: int, ep: bool) -> str:
+    """", TP=2, EP" for the report's header lines; "" at TP=1 (the single-GPU lines as they were)."""
+    return f", TP={tp}{', EP' if ep else ''}" if tp > 1 or ep else ""
+
+
 def make_header(args, copy_bw: dict | None) -> dict:
+    tp = getattr(args, "tensor_parallel_size", 1)
     h: dict[str, Any] = {
         "benchmark": "e2e",
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -990,6 +1063,9 @@ def make_header(args, copy_bw: dict | None) -> dict:
         "extra_iters": args.extra_iters,
         "warmup": args.warmup,
         "seed": args.seed,
+        # every configuration's LLM kwargs carry them too (tensor_parallel_size only when > 1)
+        "tensor_parallel_size": tp,
+        "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
         "copy_bandwidth": copy_bw,
         "copy_bandwidth_gbps": (copy_bw or {}).get("gbps"),
         "gb10": {"bandwidth_gbps": GB10_BANDWIDTH_GBPS, "published": PUBLISHED_GB10},
@@ -1001,6 +1077,9 @@ def make_header(args, copy_bw: dict | None) -> dict:
             "gb10_projection": "273 GB/s * (pct_bw / 100) / bytes per token",
         },
     }
+    if tp > 1:
+        h["method"]["per_gpu"] = (f"TP={tp}: bytes are per GPU (model total / {tp}), pct_bw against one GPU's "
+                                  f"copy bandwidth, gb10_projection for {tp} GB10s")
     h["git_commit"] = h["git"]["commit"]
     if copy_bw and "device" in copy_bw:
         h.update(device=copy_bw["device"], capability=copy_bw["capability"])
@@ -1012,12 +1091,14 @@ def make_header(args, copy_bw: dict | None) -> dict:
 def derive(
     point: dict, rec: dict, hf: dict, llm_kwargs: dict, copy_gbps: float | None
 ) -> None:
-    """Add bytes, % of copy bandwidth and the GB10 projection to a point record (in place)."""
+    """Add bytes, % of copy bandwidth and the GB10 projection to a point record (in place).
+    TP > 1: per GPU (each GPU reads its share at the same time), projected for as many GB10s."""
     pt = Point(**point)
     b = point_bytes(hf, pt, llm_kwargs)
     rec["bytes"] = b
+    step_b, tok_b = per_gpu(b) if b else (None, None)
     rec["gb10_ceiling_tok_s"] = (
-        GB10_BANDWIDTH_GBPS * 1e9 / b["per_token"] if b else None
+        GB10_BANDWIDTH_GBPS * 1e9 / tok_b if b else None
     )
     rec["achieved_gbps"] = rec["pct_copy_bw"] = rec["gb10_projection_tok_s"] = None
     if (
@@ -1027,12 +1108,12 @@ def derive(
         or rec["ms_per_step"] <= 0
     ):
         return
-    gbps = b["per_step"] / (rec["ms_per_step"] / 1e3) / 1e9
+    gbps = step_b / (rec["ms_per_step"] / 1e3) / 1e9
     rec["achieved_gbps"] = gbps
     if copy_gbps:
         eff = gbps / copy_gbps
         rec["pct_copy_bw"] = 100 * eff
-        rec["gb10_projection_tok_s"] = GB10_BANDWIDTH_GBPS * 1e9 * eff / b["per_token"]
+        rec["gb10_projection_tok_s"] = GB10_BANDWIDTH_GBPS * 1e9 * eff / tok_b
 
 
 def derive_all(result: dict) -> None:
@@ -1054,6 +1135,7 @@ def print_plan(plans: list[ModelPlan], args) -> None:
     print(
         f"plan: {'quick' if args.quick else 'full'} mode, warm-up {args.warmup}, iters {args.iters}, "
         f"{sum(len(m.runs) for m in plans)} configuration process(es)"
+        f"{parallel_label(getattr(args, 'tensor_parallel_size', 1), getattr(args, 'enable_expert_parallel', False))}"
     )
     for m in plans:
         print(f"\nmodel {m.name} ({m.path})")
@@ -1079,9 +1161,10 @@ def bytes_table(m: ModelPlan) -> list[dict]:
         )
         for p in run["points"]:
             pt = Point(**p)
-            if pt.kind != "tg" or (pt.name, kv, dense) in seen:
+            key = (pt.name, kv, dense, tp_size(run["llm_kwargs"]))
+            if pt.kind != "tg" or key in seen:
                 continue
-            seen.add((pt.name, kv, dense))
+            seen.add(key)
             b = point_bytes(m.hf_config, pt, run["llm_kwargs"])
             if b is None:
                 continue
@@ -1089,30 +1172,44 @@ def bytes_table(m: ModelPlan) -> list[dict]:
                 {
                     "point": pt.name,
                     **b,
-                    "gb10_ceiling_tok_s": GB10_BANDWIDTH_GBPS * 1e9 / b["per_token"],
+                    "gb10_ceiling_tok_s": GB10_BANDWIDTH_GBPS * 1e9 / per_gpu(b)[1],
                 }
             )
     return rows
 
 
+def _gpus_label(ns: set[int]) -> str:
+    """"2" for one TP size over the table's rows, "N" for a mix (a --merge of different runs)."""
+    return str(next(iter(ns))) if len(ns) == 1 else "N"
+
+
 def print_bytes_table(m: ModelPlan) -> None:
     gb = 1e9
-    print(f"\nbytes read per decode step, {m.name} (model config; GB = 1e9 bytes)")
+    rows = bytes_table(m)
+    ns = {r.get("tensor_parallel_size", 1) for r in rows} or {1}
+    tp = ns != {1}  # TP > 1: the model totals, then one GPU's share and N GB10s
+    n = _gpus_label(ns)
+    gb10 = f"{n}x GB10 max tok/s" if tp else "GB10 max tok/s"
+    print(f"\nbytes read per decode step, {m.name} (model config; GB = 1e9 bytes)"
+          + (f"; TP={n}: model totals, GB/tok/GPU = GB/token / {n}" if tp else ""))
     head = (
         f"{'point':<10} {'kv':<6} {'weights':<6} {'B':>3} {'ctx':>6} {'attn+rtr':>9} {'experts':>8} "
-        f"{'lm_head':>8} {'KV':>8} {'GB/step':>8} {'GB/token':>9} {'GB10 max tok/s':>15}"
+        f"{'lm_head':>8} {'KV':>8} {'GB/step':>8} {'GB/token':>9}{' GB/tok/GPU' if tp else ''} "
+        f"{gb10:>15}"
     )
     print(head)
     print("-" * len(head))
-    for r in bytes_table(m):
+    for r in rows:
         print(
             f"{r['point']:<10} {r['kv_dtype']:<6} {r['dense_weights']:<6} {r['batch']:>3} {r['ctx']:>6} "
             f"{(r['attention_proj'] + r['router']) / gb:>9.3f} {r['experts'] / gb:>8.3f} "
             f"{r['lm_head'] / gb:>8.3f} {r['kv'] / gb:>8.4f} {r['per_step'] / gb:>8.3f} "
-            f"{r['per_token'] / gb:>9.3f} {r['gb10_ceiling_tok_s']:>15.1f}"
+            f"{r['per_token'] / gb:>9.3f}{f' {per_gpu(r)[1] / gb:>10.3f}' if tp else ''} "
+            f"{r['gb10_ceiling_tok_s']:>{len(gb10) if tp else 15}.1f}"
         )
     print(
-        f"(GB10 max = {GB10_BANDWIDTH_GBPS:.0f} GB/s / GB per token, i.e. 100% of its bandwidth)"
+        f"({n} GB10s max = {n} x {GB10_BANDWIDTH_GBPS:.0f} GB/s / GB per token, i.e. 100% of their bandwidth)"
+        if tp else f"(GB10 max = {GB10_BANDWIDTH_GBPS:.0f} GB/s / GB per token, i.e. 100% of its bandwidth)"
     )
     rows = dense_what_if(m)
     if rows:
@@ -1121,11 +1218,13 @@ def print_bytes_table(m: ModelPlan) -> None:
             f"\ndense weight formats (qkv / o / lm_head; router bf16), batch {r0['batch']}, ctx {r0['ctx']}, "
             f"kv {r0['kv_dtype']} -- computed (fp8 runs as sm121-fp8dense; mxfp4 is not implemented)"
         )
+        n = r0.get("tensor_parallel_size", 1)
         for r in rows:
             print(
                 f"  {r['dense_weights']:<6} attn+rtr {(r['attention_proj'] + r['router']) / gb:6.3f}  "
                 f"lm_head {r['lm_head'] / gb:6.3f}  GB/token {r['per_token'] / gb:6.3f}  "
-                f"GB10 max tok/s {r['gb10_ceiling_tok_s']:6.1f}"
+                + (f"GB/tok/GPU {per_gpu(r)[1] / gb:6.3f}  {n}x GB10 max tok/s " if n > 1 else "GB10 max tok/s ")
+                + f"{r['gb10_ceiling_tok_s']:6.1f}"
             )
 
 
@@ -1145,8 +1244,9 @@ def dense_what_if(m: ModelPlan) -> list[dict]:
         kv = kv_kind(kw.get("kv_cache_dtype"))
         return [
             {
-                **(b := decode_bytes(m.hf_config, batch=pt.batch, ctx=pt.decode_ctx, kv=kv, dense=d)),
-                "gb10_ceiling_tok_s": GB10_BANDWIDTH_GBPS * 1e9 / b["per_token"],
+                **(b := with_tp(decode_bytes(m.hf_config, batch=pt.batch, ctx=pt.decode_ctx, kv=kv, dense=d),
+                                tp_size(kw))),
+                "gb10_ceiling_tok_s": GB10_BANDWIDTH_GBPS * 1e9 / per_gpu(b)[1],
             }
             for d in DENSE_BYTES_PER_PARAM
         ]
@@ -1166,19 +1266,26 @@ def print_results(result: dict) -> None:
         f"torch {hdr.get('torch')}, triton {hdr.get('triton')}, vllm-sm121 {hdr.get('vllm_sm121')}, "
         f"commit {hdr.get('git_commit')}, copy bandwidth {_num(copy_gbps, '.0f')} GB/s, "
         f"{hdr.get('mode')} mode, iters {hdr.get('iters')}"
+        f"{parallel_label(hdr.get('tensor_parallel_size') or 1, bool(hdr.get('enable_expert_parallel')))}"
     )
     for m in result["models"]:
         published = PUBLISHED_GB10.get(m.get("key") or "", {})
+        ns = {tp_size(run["plan"]["llm_kwargs"]) for run in m["runs"]} or {1}
+        tp, n = ns != {1}, _gpus_label(ns)  # TP > 1: per GPU, projected for N GB10s (derive)
+        gb10 = f"{n}x GB10 tok/s" if tp else "GB10 tok/s"
         print(
-            f"\n{m['name']}: tok/s ([min-max] over iterations), ms/step (decode: min-based estimate; min-max), GB read per token,"
+            f"\n{m['name']}: tok/s ([min-max] over iterations), ms/step (decode: min-based estimate; min-max), GB read per token"
+            + (f" per GPU (TP={n}: model total / {n})," if tp else ",")
         )
         print(
-            "% of the copy bandwidth, GB10 projection (273 GB/s x that efficiency), vs up = tok/s over "
-            "the best upstream configuration; ! = suspect (see JSON)"
+            ("% of one GPU's copy bandwidth (the GPUs read at once), "
+             f"{n}x GB10 projection ({n} GB10s: 273 GB/s x that efficiency / GB per GPU), " if tp else
+             "% of the copy bandwidth, GB10 projection (273 GB/s x that efficiency), ")
+            + "vs up = tok/s over the best upstream configuration; ! = suspect (see JSON)"
         )
         head = (
-            f"{'config':<18} {'point':<10} {'tok/s':>22} {'ms/step':>22} {'GB/tok':>7} {'%BW':>5} "
-            f"{'GB10 tok/s':>10} {'vs up':>6}  published GB10"
+            f"{'config':<18} {'point':<10} {'tok/s':>22} {'ms/step':>22} {'GB/GPU' if tp else 'GB/tok':>7} {'%BW':>5} "
+            f"{gb10:>10} {'vs up':>6}  published GB10"
         )
         print(head)
         print("-" * (len(head) + 20))
@@ -1227,9 +1334,9 @@ def print_results(result: dict) -> None:
                 flag = "!" if rec.get("suspect") else ""
                 print(
                     f"{cname:<18} {name + flag:<10} {tok_c:>22} {ms_c:>22} "
-                    f"{_num(b['per_token'] / 1e9 if b else None, '.3f'):>7} "
+                    f"{_num(per_gpu(b)[1] / 1e9 if b else None, '.3f'):>7} "
                     f"{_num(rec.get('pct_copy_bw'), '.0f'):>5} "
-                    f"{_num(rec.get('gb10_projection_tok_s'), '.1f'):>10} {vs:>6}  "
+                    f"{_num(rec.get('gb10_projection_tok_s'), '.1f'):>{len(gb10) if tp else 10}} {vs:>6}  "
                     f"{published.get(name, '')}"
                 )
         for run in errors:
@@ -1425,6 +1532,20 @@ def parse_args(argv=None):
         default="{}",
         help="JSON merged into every configuration's LLM kwargs",
     )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="every configuration (upstream included) on N GPUs: LLM(tensor_parallel_size=N); bytes, %%BW "
+        "and the GB10 projection then per GPU / for N GB10s (default 1)",
+    )
+    ap.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="every configuration: LLM(enable_expert_parallel=True), experts spread over the N GPUs "
+        "(needs --tensor-parallel-size > 1)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--out",
@@ -1460,6 +1581,11 @@ def parse_args(argv=None):
         help="combine earlier --out files into one report",
     )
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        ap.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.enable_expert_parallel and args.tensor_parallel_size == 1:
+        ap.error("--enable-expert-parallel needs --tensor-parallel-size N > 1 (it spreads the experts over "
+                 "the N GPUs; with one GPU there is nothing to spread)")
     if args.merge:
         if args.out is None:
             ap.error("--merge needs --out")
@@ -1548,6 +1674,11 @@ def merge_main(args) -> int:
         values = {str(r["header"].get(key)) for r in results}
         if len(values) > 1:
             print(f"WARNING: merging results with different {key}: {sorted(values)}")
+    # files from before --tensor-parallel-size ran at TP=1
+    tps = {(r["header"].get("tensor_parallel_size") or 1, bool(r["header"].get("enable_expert_parallel")))
+           for r in results}
+    if len(tps) > 1:
+        print(f"WARNING: merging results with different (tensor_parallel_size, enable_expert_parallel): {sorted(tps)}")
     bws = [
         r["header"].get("copy_bandwidth_gbps")
         for r in results
@@ -1629,6 +1760,11 @@ def main(argv=None) -> int:
         )
         return 2
     print(f"copy bandwidth {copy_bw['gbps']:.0f} GB/s on {copy_bw['device']}")
+    tp = max(tp_size(run["llm_kwargs"]) for m in plans for run in m.runs)
+    problem = tp_gpu_problem(tp, copy_bw.get("device_count") or 1)
+    if problem:  # each child would refuse the same way, after importing vLLM
+        print(f"benchmarks/e2e.py: {problem}", file=sys.stderr)
+        return 2
     result = {
         "header": make_header(args, copy_bw),
         "models": [_model_entry(m) for m in plans],

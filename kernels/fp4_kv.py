@@ -8,10 +8,14 @@ bytes: first all e2m1 data ``[Hkv][block_size][head_size/2]``, then all e4m3 blo
 address data and scales with ordinary strides.
 
 Global scales (``calibrate_global_scales``): gpt-oss ships no KV scales, so each layer's K and V
-scale is set from the first batch it writes: ``g = amax * HEADROOM / (6 * 448)``, so that a block
-as large as that batch's largest gets e4m3 block scale 448/HEADROOM (= 7) and blocks up to HEADROOM
-(64) times larger still fit before the block scale saturates; blocks down to ~3e-4 of it keep a
-non-zero (sub)normal scale. All on the device, no host synchronization: a zero or non-finite amax
+scale is set from the first batch it writes: ``g = 2 ** ceil(log2(amax * HEADROOM / (6 * 448)))``,
+so that a block as large as that batch's largest gets an e4m3 block scale in (3.5, 7] and blocks up
+to HEADROOM (64) times larger still fit before the block scale saturates; blocks down to ~3e-4 of
+it keep a non-zero (sub)normal scale. ``g`` is a power of two so that the cache's values do not
+depend on it: e4m3 rounding commutes with powers of two, so any two such scales store the same
+dequantized values for every block whose scale stays in e4m3's normal range. That makes them
+independent of which batch calibrated the layer and of how heads are split across tensor-parallel
+ranks (each rank calibrates on its own heads). All on the device, no host synchronization: a zero or non-finite amax
 (e.g. an all-padding batch) leaves the scale unset for the next batch to set.
 """
 
@@ -92,21 +96,27 @@ DEFAULT_AMAX = 1.0  # the scale an uncalibrated layer writes with (amax assumed 
 
 
 def default_global_scale() -> float:
-    return DEFAULT_AMAX * HEADROOM / (6.0 * E4M3_MAX)
+    return float(global_scale_for(torch.tensor(DEFAULT_AMAX)))
+
+
+def global_scale_for(amax: torch.Tensor) -> torch.Tensor:
+    """The power-of-two global scale for a calibration amax (fp32, elementwise; amax > 0)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.float() * (HEADROOM / (6.0 * E4M3_MAX)))))
 
 
 def calibrate_global_scales(key: torch.Tensor, value: torch.Tensor, global_scales: torch.Tensor,
                             done: torch.Tensor) -> None:
     """Set ``global_scales`` [2] (K, V; fp32) from this batch unless ``done`` [2] (bool) says set.
 
-    Device-only (graph-safe, no host sync): ``g = amax * HEADROOM / (6 * 448)`` where amax is
-    finite and > 0; otherwise the scale is left as it was and ``done`` stays False.
+    Device-only (graph-safe, no host sync): ``g = global_scale_for(amax)`` where amax is finite
+    and > 0; otherwise the scale is left as it was and ``done`` stays False.
     """
     amax = torch.stack([key.abs().amax(), value.abs().amax()]).float() if key.numel() else None
     if amax is None:
         return
     ok = torch.isfinite(amax) & (amax > 0) & ~done
-    global_scales.copy_(torch.where(ok, amax * (HEADROOM / (6.0 * E4M3_MAX)), global_scales))
+    safe = torch.where(ok, amax, 1.0)  # log2 of 0 / inf / NaN never reaches the result
+    global_scales.copy_(torch.where(ok, global_scale_for(safe), global_scales))
     done.logical_or_(ok)
 
 

@@ -124,7 +124,7 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.uint8, device=x.device)
     s = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
     if m:
-        _moe_route_kernel[(m,)](x, q, q, x, q, s, 0, E=1, E_PAD=1, TOPK=1, TOPK_PAD=1, K=k,
+        _moe_route_kernel[(m,)](x, q, q, x, q, s, q, 0, E=1, E_PAD=1, TOPK=1, TOPK_PAD=1, K=k,
                                 BLOCK_K=min(512, triton.next_power_of_2(k)), ROUTE=False, QUANT=True,
                                 HW_FP8=_gpu_flags(x)["HW_FP8"], num_warps=4)
     return q.view(torch.float8_e4m3fn), s
@@ -370,19 +370,28 @@ def moe_fc2_combine_torch(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights
 
 # ---- routing ---------------------------------------------------------------------------------
 
-def moe_route(router_logits: torch.Tensor, topk: int, x: torch.Tensor | None = None):
+def moe_route(router_logits: torch.Tensor, topk: int, x: torch.Tensor | None = None,
+              expert_map: torch.Tensor | None = None):
     """gpt-oss routing: (topk_weights fp32 [M, topk], topk_ids int32 [M, topk]), the top-k logits in
     descending order with a softmax over them (= vLLM's softmax over all experts, renormalized).
 
     NaN logits (padded rows of a captured graph) rank lowest and +-inf is clamped, so ids are
     always distinct and in [0, E) and weights finite. With ``x`` (bf16 [M, K]) the same launch
     also quantizes it to MXFP8 and (topk_weights, topk_ids, x_q, x_scale) is returned.
+
+    ``expert_map`` (expert parallelism: int32 [E], global -> this rank's expert id or -1): ids are
+    local; slots on other ranks get weight 0 and a local id the token already uses (or 0), so
+    summing every rank's ``moe_block`` output gives the unsharded block's.
     """
     V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
     V.check_last_dim_contiguous("router_logits", router_logits)
     m, e = router_logits.shape
     if not 0 < topk <= e:
         raise ValueError(f"topk={topk} is not supported for {e} experts; supported: 1..{e}")
+    if expert_map is not None:
+        if expert_map.shape != (e,) or expert_map.dtype != torch.int32 or expert_map.device != router_logits.device:
+            raise ValueError(f"expert_map must be int32 [{e}] on {router_logits.device}, got {expert_map.dtype} "
+                             f"{tuple(expert_map.shape)} on {expert_map.device}")
     dev = router_logits.device
     topk_w = torch.empty(m, topk, dtype=torch.float32, device=dev)
     topk_ids = torch.empty(m, topk, dtype=torch.int32, device=dev)
@@ -396,19 +405,28 @@ def moe_route(router_logits: torch.Tensor, topk: int, x: torch.Tensor | None = N
         xs = torch.empty(m, k // 32, dtype=torch.uint8, device=dev)
     if m:
         _moe_route_kernel[(m,)](router_logits, topk_w, topk_ids, x if quant else router_logits,
-                                xq if quant else topk_ids, xs if quant else topk_ids, router_logits.stride(0),
+                                xq if quant else topk_ids, xs if quant else topk_ids,
+                                topk_ids if expert_map is None else expert_map, router_logits.stride(0),
                                 E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
                                 K=k if quant else 32, BLOCK_K=min(512, triton.next_power_of_2(k)) if quant else 32,
                                 ROUTE=True, QUANT=quant, HW_FP8=_gpu_flags(router_logits)["HW_FP8"],
-                                num_warps=4 if quant else 1)
+                                HAS_MAP=expert_map is not None, num_warps=4 if quant else 1)
     if quant:
         return topk_w, topk_ids, xq.view(torch.float8_e4m3fn), xs
     return topk_w, topk_ids
 
 
-def moe_route_torch(router_logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_torch(router_logits: torch.Tensor, topk: int,
+                    expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     vals, ids = torch.topk(router_logits.float(), topk, dim=-1)
-    return torch.softmax(vals, dim=-1), ids.int()
+    w, ids = torch.softmax(vals, dim=-1), ids.int()
+    if expert_map is None:
+        return w, ids
+    loc = expert_map.to(ids.device).long()[ids.long()]
+    here = loc >= 0
+    first = torch.where(here, torch.arange(topk, device=ids.device), topk).argmin(dim=-1, keepdim=True)
+    borrow = torch.where(here.any(-1, keepdim=True), loc.gather(-1, first), 0)
+    return torch.where(here, w, 0.0), torch.where(here, loc, borrow).int()
 
 
 # ---- prefill: grouped GEMMs over expert-sorted pairs -------------------------------------------
@@ -531,7 +549,8 @@ def select_path(m: int) -> str:
 
 def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
               w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w2_bias: torch.Tensor, topk: int,
-              x_scale: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, path: str = "auto",
+              expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """gpt-oss routed experts: bf16 [M, H] = sum over the top-k experts of w_j * FFN_j(x).
 
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
@@ -539,6 +558,11 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     (``select_path``), so a captured CUDA graph always replays the same kernels; ``path`` forces
     one ("fma" above FMA_KERNEL_MAX_TOKENS tokens: the FMA GEMVs per chunk of that many tokens,
     after one routing launch for all of them).
+
+    Parallel ranks: under tensor parallelism the weights are this rank's intermediate shard (w2
+    bias on one rank only, as vLLM loads it); under expert parallelism they are the rank's experts
+    and ``expert_map`` ([E] int32, global -> local or -1; ``moe_route``) routes. Either way the
+    result is this rank's share, summed across ranks by the caller's all-reduce.
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
@@ -547,9 +571,9 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         path = select_path(m)
     if path in ("fma", "decode"):
         if x.dtype == torch.bfloat16:  # routing and the MXFP8 quantization of x in one launch
-            topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous())
+            topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)
         else:
-            topk_w, topk_ids = moe_route(router_logits, topk)
+            topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
         if path == "fma":
             outs = []
             for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
@@ -560,7 +584,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
-    topk_w, topk_ids = moe_route(router_logits, topk)
+    topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
     block_m = _grouped_tiles(x.device)[0]
     align = moe_align(topk_ids, w13.shape[0], block_m) if m else None
     h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align)
@@ -568,7 +592,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
 
 
 def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
-                    x_scale=None, activations: str = "mxfp8") -> torch.Tensor:
+                    x_scale=None, activations: str = "mxfp8", expert_map=None) -> torch.Tensor:
     """Reference of ``moe_block`` in fp32 ([M, H]), one expert at a time (bounded memory at gpt-oss sizes).
 
     activations="mxfp8": the kernels' numerics (MXFP8 into FC1 and into FC2). "bf16": the same
@@ -585,7 +609,7 @@ def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2
         xf = mxfp8_dequantize_torch(*mxfp8_quantize_torch(x.float()))
     else:
         xf = x.float()
-    topk_w, topk_ids = moe_route_torch(router_logits, topk)
+    topk_w, topk_ids = moe_route_torch(router_logits, topk, expert_map)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)

@@ -154,7 +154,8 @@ def test_nvfp4_cache_through_the_backend(backend_parts, layer):
     k1 = (torch.randn(len(ctx), HKV, D, generator=g) * 1e-3).bfloat16()
     v1 = (torch.randn(len(ctx), HKV, D, generator=g) * 1e-3).bfloat16()
     impl.do_kv_cache_update(layer_ns, k1, v1, kv_cache, torch.tensor(ctx, dtype=torch.int64))
-    expect_g = torch.stack([k1.abs().amax(), v1.abs().amax()]).float() * HEADROOM / (6 * 448)
+    expect_g = torch.exp2(torch.ceil(torch.log2(torch.stack([k1.abs().amax(), v1.abs().amax()]).float()
+                                                 * HEADROOM / (6 * 448))))
     torch.testing.assert_close(impl._g, expect_g)
     assert bool(impl._g_done.all()) and not impl._calibrating
     # Step 2: the new tokens (3 graph-padding slots), written and attended in one step.

@@ -93,3 +93,32 @@ def test_option_fp8_accepted_mxfp4_refused():
     with pytest.raises(ValueError, match=r"""'dense_weights': 'mxfp4' is not implemented in this vllm-sm121 release; """
                                          r"supported now: bf16, fp8"):
         config.parse({"sm121": {"dense_weights": "mxfp4"}})
+
+
+def test_tensor_parallel_shards_convert_independently():
+    """Under TP each rank converts its own shard. Column-parallel (qkv, lm_head rows): a shard's
+    per-row codes and scales are exactly the unsharded ones. Row-parallel (o_proj, K split): each
+    shard's rows get their own scale; the all-reduced sum of the shards' outputs (bias on rank 0,
+    as vLLM's RowParallelLinear adds it) stays within e4m3 error of the bf16 product."""
+    from vllm_sm121.kernels.dense import fp8_per_channel_quantize
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(48, 128, generator=g) * 0.02).bfloat16()
+    w[5, 70] = 1.0  # an outlier in the second K half
+    x = torch.randn(4, 128, generator=g).bfloat16()
+    bias = torch.randn(48, generator=g).bfloat16()
+    codes, scale = fp8_per_channel_quantize(w)
+    for r in range(2):
+        c, s = fp8_per_channel_quantize(w[24 * r:24 * (r + 1)])
+        assert torch.equal(c.view(torch.uint8), codes[24 * r:24 * (r + 1)].view(torch.uint8))
+        assert torch.equal(s, scale[24 * r:24 * (r + 1)])
+    shares = []
+    for r in range(2):
+        c, s = fp8_per_channel_quantize(w[:, 64 * r:64 * (r + 1)].contiguous())
+        shares.append(dense_fp8_linear_torch(x[:, 64 * r:64 * (r + 1)], c, s, bias if r == 0 else None).float())
+    exact = x.float() @ w.float().T + bias.float()
+    rel = ((shares[0] + shares[1] - exact).norm() / exact.norm()).item()
+    unsharded = dense_fp8_linear_torch(x, codes, scale, bias).float()
+    rel_unsharded = ((unsharded - exact).norm() / exact.norm()).item()
+    print(f"\nrow-parallel shards vs bf16 {rel:.2e} (unsharded {rel_unsharded:.2e})")
+    assert rel < 0.03 and rel <= rel_unsharded * 1.5 + 1e-3

@@ -4,6 +4,7 @@ errors for bad input. Uses only the repo's models/ configs (the 120b shape is bu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -466,3 +467,144 @@ def test_run_tg_pairs_adds_iterations_until_two_agree():
     never = [(clean[0] + 0.01 * i, clean[1] + 0.5 * i) for i in range(1, 9)]
     rec = e2e.run_tg_pairs(pairs(never), 3, 2, n, batch, lambda msg: None)
     assert rec["extra_iters"] == 2 and "suspect" in rec
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor / expert parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def _tp_args(*extra: str):
+    return e2e.parse_args(["--dry-run", "--no-vllm-check", "--model", "gpt-oss-tiny", "--configs",
+                           "upstream-default,upstream-triton,sm121-nvfp4kv,sm121-fp8dense", *extra])
+
+
+def test_parallel_flags_defaults_add_nothing():
+    """TP=1: the kwargs, environment and plan line stay what they were (vLLM's defaults)."""
+    args = _tp_args()
+    assert args.tensor_parallel_size == 1 and args.enable_expert_parallel is False
+    for run in args.plans[0].runs:
+        assert "tensor_parallel_size" not in run["llm_kwargs"]
+        assert "enable_expert_parallel" not in run["llm_kwargs"]
+        assert e2e.SPAWN_ENV not in run["env"]
+
+
+def test_parallel_flags_reach_every_configuration(monkeypatch):
+    monkeypatch.delenv(e2e.SPAWN_ENV, raising=False)
+    args = _tp_args("--tensor-parallel-size", "2", "--enable-expert-parallel",
+                    "--llm-kwargs", '{"gpu_memory_utilization": 0.8, "additional_config": {"x": 1}}')
+    runs = {r["config"]: r for r in args.plans[0].runs}
+    assert len(runs) == 4
+    for run in runs.values():  # upstream and plugin alike
+        kw = run["llm_kwargs"]
+        assert kw["tensor_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
+        assert kw["gpu_memory_utilization"] == 0.8  # --llm-kwargs still merged over it
+        assert run["env"][e2e.SPAWN_ENV] == "spawn"
+    # the deep merge keeps a configuration's own nested kwargs
+    assert runs["sm121-fp8dense"]["llm_kwargs"]["additional_config"] == {"sm121": {"dense_weights": "fp8"}, "x": 1}
+    assert runs["sm121-nvfp4kv"]["llm_kwargs"]["kv_cache_dtype"] == "nvfp4"
+    # --llm-kwargs still has the last word (null deletes)
+    args = _tp_args("--tensor-parallel-size", "2", "--llm-kwargs", '{"tensor_parallel_size": 4}')
+    assert {r["llm_kwargs"]["tensor_parallel_size"] for r in args.plans[0].runs} == {4}
+    assert all("enable_expert_parallel" not in r["llm_kwargs"] for r in args.plans[0].runs)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+        (["--tensor-parallel-size", "-2"], "--tensor-parallel-size must be >= 1"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size"),
+        (["--enable-expert-parallel", "--tensor-parallel-size", "1"], "--enable-expert-parallel needs"),
+    ],
+)
+def test_bad_parallel_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e.parse_args(["--dry-run", "--no-vllm-check", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_engine_env_spawns_workers_at_tp_only():
+    tp2 = {"tensor_parallel_size": 2}
+    assert e2e.engine_env({}, {}, {}) == {}
+    assert e2e.engine_env({"A": "1"}, tp2, {}) == {"A": "1", e2e.SPAWN_ENV: "spawn"}
+    # the caller's own choice stands (child_env passes it through)
+    assert e2e.engine_env({}, tp2, {e2e.SPAWN_ENV: "fork"}) == {}
+    assert e2e.child_env({e2e.SPAWN_ENV: "fork"}, e2e.engine_env({}, tp2, {e2e.SPAWN_ENV: "fork"}))[
+        e2e.SPAWN_ENV] == "fork"
+
+
+def test_child_refuses_tp_beyond_the_gpus(monkeypatch, tmp_path):
+    """The check runs where torch.cuda is available (faked here), before vLLM is imported."""
+    assert e2e.tp_gpu_problem(2, 2) is None and e2e.tp_gpu_problem(1, 1) is None
+    msg = e2e.tp_gpu_problem(4, 2)
+    assert "--tensor-parallel-size 4" in msg and "has 2" in msg
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    res: dict = {}
+    out = tmp_path / "res.json"
+    llm = e2e.start_engine({"model": "x", "tensor_parallel_size": 2}, res, str(out), lambda msg: None)
+    assert llm is None
+    assert "--tensor-parallel-size 2 needs 2 GPUs, this machine has 1" in res["error"]
+    assert json.loads(out.read_text())["error"] == res["error"]
+
+
+def test_per_gpu_bytes_halve_at_tp2():
+    cfg = gpt_oss_120b()
+    pt = next(p for p in e2e.POINTS if p.name == "tg128-b32")
+    b1 = e2e.point_bytes(cfg, pt, {})
+    b2 = e2e.point_bytes(cfg, pt, {"tensor_parallel_size": 2, "enable_expert_parallel": True})
+    assert "per_gpu_token" not in b1 and e2e.per_gpu(b1) == (b1["per_step"], b1["per_token"])
+    assert b2["per_step"] == b1["per_step"]  # the model total is unchanged
+    assert b2["per_gpu_step"] == b1["per_step"] / 2 and b2["per_gpu_token"] == b1["per_token"] / 2
+    assert b2["tensor_parallel_size"] == 2
+    # derive: per-GPU bandwidth against one GPU's copy bandwidth; the projection is for 2 GB10s
+    point = dataclasses.asdict(pt)
+    r1 = {"status": "ok", "ms_per_step": 5.0}
+    r2 = dict(r1)
+    e2e.derive(point, r1, cfg, {}, 3000.0)
+    e2e.derive(point, r2, cfg, {"tensor_parallel_size": 2}, 3000.0)
+    assert r2["achieved_gbps"] == pytest.approx(r1["achieved_gbps"] / 2)
+    assert r2["achieved_gbps"] == pytest.approx(b1["per_step"] / 2 / 5e-3 / 1e9)
+    assert r2["pct_copy_bw"] == pytest.approx(r1["pct_copy_bw"] / 2)
+    assert r2["gb10_ceiling_tok_s"] == pytest.approx(2 * r1["gb10_ceiling_tok_s"])
+    assert r2["gb10_projection_tok_s"] == pytest.approx(273e9 * r2["pct_copy_bw"] / 100 / (b1["per_token"] / 2))
+
+
+def _synthetic_report(args) -> dict:
+    """make_header + the plan with one made-up decode timing per run (no GPU)."""
+    result = {"header": e2e.make_header(args, None), "models": [e2e._model_entry(m) for m in args.plans]}
+    result["header"].update(copy_bandwidth_gbps=3000.0, device="FakeCard", capability="9.0")
+    for run in result["models"][0]["runs"]:
+        run["points"] = {"tg128": {"status": "ok", "tok_s": 400.0, "tok_s_min": 390.0, "tok_s_max": 410.0,
+                                   "ms_per_step": 2.5, "ms_per_step_min": 2.4, "ms_per_step_max": 2.6}}
+    e2e.derive_all(result)
+    return result
+
+
+def test_header_and_report_record_parallelism(capsys):
+    args = _tp_args("--tensor-parallel-size", "2", "--enable-expert-parallel", "--points", "tg128")
+    result = _synthetic_report(args)
+    h = result["header"]
+    assert h["tensor_parallel_size"] == 2 and h["enable_expert_parallel"] is True
+    assert "per GPU" in h["method"]["per_gpu"]
+    for run in result["models"][0]["runs"]:  # the exact flags recorded per configuration
+        assert run["plan"]["llm_kwargs"]["tensor_parallel_size"] == 2
+        assert run["plan"]["llm_kwargs"]["enable_expert_parallel"] is True
+    capsys.readouterr()
+    e2e.print_results(result)
+    e2e.print_bytes_table(args.plans[0])
+    out = capsys.readouterr().out
+    assert "iters 3, TP=2, EP" in out
+    assert "per GPU (TP=2: model total / 2)" in out and "2x GB10 tok/s" in out and "GB/GPU" in out
+    assert "GB/tok/GPU" in out and "2x GB10 max tok/s" in out
+    # TP=1: recorded as such, none of the per-GPU labels
+    args = _tp_args("--points", "tg128")
+    result = _synthetic_report(args)
+    assert result["header"]["tensor_parallel_size"] == 1 and result["header"]["enable_expert_parallel"] is False
+    assert "per_gpu" not in result["header"]["method"]
+    e2e.print_results(result)
+    e2e.print_bytes_table(args.plans[0])
+    out = capsys.readouterr().out
+    assert "TP=" not in out and "per GPU" not in out and "GPU " not in out and "/GPU" not in out and "2x" not in out

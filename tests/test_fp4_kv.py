@@ -104,13 +104,15 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
 def test_global_scale_calibration_is_set_once_and_never_zero():
     from vllm_sm121.kernels.fp4_kv import HEADROOM, calibrate_global_scales, default_global_scale
 
+    pow2 = lambda x: torch.exp2(torch.ceil(torch.log2(x)))  # noqa: E731
+
     g = torch.full((2,), default_global_scale())
     done = torch.zeros(2, dtype=torch.bool)
     zeros = torch.zeros(4, 2, 64)
     calibrate_global_scales(zeros, zeros, g, done)  # an all-zero (padding) batch sets nothing
     assert not done.any() and torch.equal(g, torch.full((2,), default_global_scale()))
     k = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
-    want = lambda x: (x.abs().amax() * (HEADROOM / (6 * 448))).reshape(())  # noqa: E731
+    want = lambda x: pow2(x.abs().amax() * (HEADROOM / (6 * 448))).reshape(())  # noqa: E731
     v = torch.full((4, 2, 64), float("nan"))
     calibrate_global_scales(k, v, g, done)  # V non-finite: K set, V left for a later batch
     assert done.tolist() == [True, False]
@@ -120,3 +122,20 @@ def test_global_scale_calibration_is_set_once_and_never_zero():
     assert done.all()
     torch.testing.assert_close(g[0], want(k), rtol=1e-6, atol=0)  # K not moved
     torch.testing.assert_close(g[1], want(k * 2), rtol=1e-6, atol=0)
+
+
+def test_power_of_two_global_scales_store_the_same_values():
+    """Two calibrations (other batch, other tensor-parallel head split) give scales 2**k apart:
+    the dequantized cache is bit-identical for blocks whose e4m3 scale stays normal."""
+    from vllm_sm121.kernels.fp4_kv import global_scale_for
+    from vllm_sm121.kernels.nvfp4 import nvfp4_dequantize_torch, nvfp4_quantize_torch
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 64, generator=g) * torch.logspace(-1, 1, 64)[:, None]  # rows 100x apart
+    g1 = global_scale_for(x.abs().amax())
+    g2 = global_scale_for(x[:40].abs().amax())  # "rank 0's heads": a smaller amax, within HEADROOM
+    assert g1 != g2 and torch.log2(g1 / g2) == torch.round(torch.log2(g1 / g2))
+    out = [nvfp4_dequantize_torch(*nvfp4_quantize_torch(x, s), s) for s in (g1, g2)]
+    assert torch.equal(out[0], out[1])
+    arbitrary = float(g1) * 0.77  # a non-power-of-two scale stores different values
+    assert not torch.equal(out[0], nvfp4_dequantize_torch(*nvfp4_quantize_torch(x, arbitrary), arbitrary))

@@ -156,9 +156,12 @@ def test_parallel_lora_and_sequence_parallel_fall_back(env):
     assert fused_moe_unsupported_reason(block, cfg) is None
     moe_cfg = block.mlp.experts.routed_experts.moe_config
     par = moe_cfg.moe_parallel_config
-    for field in ("tp_size", "dp_size", "pcp_size", "ep_size"):
+    for field in ("tp_size", "ep_size"):  # one TP group: the hook all-reduces the experts' output itself
+        moe_cfg.moe_parallel_config = dataclasses.replace(par, **{field: 2, "use_ep": field == "ep_size"})
+        assert fused_moe_unsupported_reason(block, cfg) is None, field
+    for field in ("dp_size", "pcp_size"):
         moe_cfg.moe_parallel_config = dataclasses.replace(par, **{field: 2})
-        assert "parallel MoE" in fused_moe_unsupported_reason(block, cfg), field
+        assert "data/context-parallel MoE" in fused_moe_unsupported_reason(block, cfg), field
     moe_cfg.moe_parallel_config = par
     block.mlp.is_sequence_parallel = True
     assert fused_moe_unsupported_reason(block, cfg) == "sequence-parallel MoE"
@@ -265,3 +268,27 @@ def test_hook_is_installed_only_through_moe_register(monkeypatch):
     monkeypatch.setattr(moe, "READY", True)
     vllm_sm121._features()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("field", ["tp_size", "ep_size"])
+def test_fused_path_all_reduces_under_tensor_and_expert_parallelism(env, monkeypatch, field):
+    """Under TP/EP each rank's experts return a share of the sum: the hook all-reduces it (here a
+    stand-in that scales by 3, on one rank) exactly once, after the experts."""
+    import vllm.distributed
+
+    block = build_block(env, "mxfp8", seed=5)
+    x, pos, res0 = _inputs(2, seed=7)
+    with torch.no_grad():
+        single, _ = block(x, pos, res0.clone())
+    experts = block.mlp.experts.routed_experts
+    par = experts.moe_config.moe_parallel_config
+    calls = []
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", lambda t: calls.append(t) or t * 3)
+    experts.moe_config.moe_parallel_config = dataclasses.replace(par, **{field: 2})  # use_ep off: no expert_map
+    try:
+        with torch.no_grad():
+            out, _ = block(x, pos, res0.clone())
+    finally:
+        experts.moe_config.moe_parallel_config = par
+    assert len(calls) == 1 and torch.equal(calls[0], single)
+    assert torch.equal(out, single * 3)

@@ -4,6 +4,12 @@
 Robust to what CUDA-graph padding and dummy runs feed it: NaN logits count as the lowest value,
 +-inf are clamped to +-FLT_MAX, so every row yields TOPK distinct ids in [0, E) and finite
 weights summing to 1 (a row of NaN picks experts 0..TOPK-1 with equal weights).
+
+Expert parallelism (HAS_MAP): ``expert_map[global id]`` is the rank's local id or -1 (vLLM's
+``RoutedExperts.expert_map``). A slot whose expert lives on another rank gets weight 0 and the
+local id of the token's first local slot (the expert kernels already merge a token's slots that
+share an expert, so it reads no extra weights), or local expert 0 when the token has none here;
+the ranks' outputs are then summed by the all-reduce vLLM runs after the experts.
 """
 
 import triton
@@ -22,6 +28,7 @@ def _moe_route_kernel(
     x_ptr,  # [M, K] bf16 activations (QUANT only)
     xq_ptr,  # [M, K] uint8 e4m3 out (QUANT only)
     xs_ptr,  # [M, K / 32] uint8 e8m0 out (QUANT only)
+    expert_map_ptr,  # [E] int32: global -> local expert id, -1 elsewhere (HAS_MAP only)
     stride_l: tl.int64,
     E: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two >= E
@@ -32,6 +39,7 @@ def _moe_route_kernel(
     ROUTE: tl.constexpr,
     QUANT: tl.constexpr,
     HW_FP8: tl.constexpr,
+    HAS_MAP: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     if ROUTE:
@@ -52,6 +60,13 @@ def _moe_route_kernel(
             avail = avail & (offs != idx)
         p = tl.where(slots < TOPK, tl.exp(vals - tl.max(tl.where(slots < TOPK, vals, -FLT_MAX), axis=0)), 0.0)
         p = p / tl.sum(p, axis=0)  # >= 1: the best slot contributes exp(0)
+        if HAS_MAP:
+            loc = tl.load(expert_map_ptr + ids, mask=slots < TOPK, other=-1)
+            here = (loc >= 0) & (slots < TOPK)
+            p = tl.where(here, p, 0.0)
+            first_here = tl.min(tl.where(here, slots, TOPK_PAD), axis=0)
+            borrow = tl.sum(tl.where(slots == first_here, loc, 0), axis=0)  # 0 when no slot is here
+            ids = tl.where(here, loc, borrow)
         tl.store(topk_w_ptr + row * TOPK + slots, p, mask=slots < TOPK)
         tl.store(topk_ids_ptr + row * TOPK + slots, ids, mask=slots < TOPK)
     if QUANT:

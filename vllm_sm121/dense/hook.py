@@ -22,7 +22,8 @@ Architecture
 Refused (``ValueError`` naming the option and what is supported), at model construction
     tied word embeddings (the head would also embed); ``head_dtype`` other than the model dtype
     (``LogitsProcessor`` would multiply the e4m3 codes directly); a model dtype other than bf16;
-    LoRA (its wrappers read the bf16 weights); tensor or pipeline parallelism > 1 (not run);
+    LoRA (its wrappers read the bf16 weights); pipeline parallelism > 1 (not run; tensor
+    parallelism is supported: each rank converts its shard);
     an EAGLE-style drafter whose head has the target's shape (vLLM's ``_maybe_share_lm_head``
     compares both heads with ``torch.equal``, which cannot compare e4m3 with bf16; gpt-oss's
     Eagle3 drafters have a 32000-token head and are fine); a layer whose quant method is not
@@ -64,7 +65,7 @@ class Converted:
 
 def _refuse(why: str) -> ValueError:
     return ValueError(f"{OPTION}: {why}; supported: gpt-oss (GptOssForCausalLM) with bf16 dense weights, untied "
-                      "embeddings, tensor_parallel_size 1, no LoRA (or \"dense_weights\": \"bf16\")")
+                      "embeddings, pipeline_parallel_size 1, no LoRA (or \"dense_weights\": \"bf16\")")
 
 
 def unsupported_reason(vllm_config: Any) -> str | None:
@@ -83,10 +84,11 @@ def unsupported_reason(vllm_config: Any) -> str | None:
     if getattr(vllm_config, "lora_config", None) is not None:
         return "LoRA is not supported (its layers read the bf16 weights)"
     parallel = getattr(vllm_config, "parallel_config", None)
-    for what in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = getattr(parallel, what, 1)
-        if size != 1:
-            return f"{what}={size} is not supported (not run with parallelism yet)"
+    # Tensor parallel is fine: each rank converts its own shard (per-output-channel scales of
+    # column-parallel qkv / vocab-parallel lm_head rows, or of row-parallel o_proj's K shard).
+    size = getattr(parallel, "pipeline_parallel_size", 1)
+    if size != 1:
+        return f"pipeline_parallel_size={size} is not supported (not run with pipeline parallelism)"
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
     # EAGLE-style drafters (eagle, eagle3, ...) may share the target's head after an equality

@@ -11,8 +11,9 @@ Architecture
 
 Constraints
     in_features a multiple of 16 (gpt-oss: 2880 and 4096). Activations are bf16. The methods
-    themselves are tensor-parallel-agnostic (each rank would convert its own shard; scales are
-    per row), but the hook (``hook.py``) refuses TP/PP > 1 until that has run.
+    themselves are tensor-parallel-agnostic: each rank converts its own shard (scales are per
+    output row; row-parallel o_proj's bias is added on rank 0 only, by vLLM, before its
+    all-reduce). The hook (``hook.py``) refuses pipeline parallelism.
 
 Wiring
     ``hook.apply_dense_weights`` installs them on gpt-oss after construction, before loading,

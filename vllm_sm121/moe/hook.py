@@ -24,8 +24,11 @@ Architecture
     ``fused_add_rms_norm`` does.
 
 Constraints
-    The fused path needs TP = DP = PCP = EP = 1 and no sequence-parallel MoE (no token
-    dispatch/combine and no all-reduce around the experts), no LoRA, no batch-invariant mode,
+    The fused path takes tensor parallelism (each rank's intermediate shard) and expert
+    parallelism (the rank's experts, ``expert_map``) over one TP group, and then all-reduces the
+    experts' output itself, as vLLM's MoE runner would (``tensor_model_parallel_all_reduce``). It
+    needs DP = PCP = 1 and no sequence-parallel MoE (no token dispatch/combine), no LoRA, no
+    batch-invariant mode,
     bf16 activations, not ROCm (upstream's router uses a ROCm-only GEMM there), and upstream's
     ``MLPBlock``/``RMSNorm`` forward (no subclass overriding them). Any other configuration falls
     back to upstream's block (``super().forward``); ``Sm121Mxfp4MoEMethod`` then still runs the
@@ -46,6 +49,8 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
+
+from .method import local_expert_map
 
 LIBRARY = "sm121"
 _lib = Library(LIBRARY, "FRAGMENT")  # keeps the ops alive for the process' lifetime
@@ -82,12 +87,30 @@ def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logit
     return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
 
 
+def _gpt_oss_moe_mxfp8_ep(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                          w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                          w2_bias: torch.Tensor, expert_map: torch.Tensor, topk: int) -> torch.Tensor:
+    from vllm_sm121.kernels.moe import moe_block
+
+    return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
+                     x_scale=x_scale, expert_map=expert_map)
+
+
+def _gpt_oss_moe_mxfp8_ep_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor,
+                               w13: torch.Tensor, w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor,
+                               w2_scale: torch.Tensor, w2_bias: torch.Tensor, expert_map: torch.Tensor,
+                               topk: int) -> torch.Tensor:
+    return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
+
+
 def _register_ops() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
 
     direct_register_custom_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, mutates_args=["residual"],
                               fake_impl=_add_rmsnorm_mxfp8_fake, target_lib=_lib)
     direct_register_custom_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, fake_impl=_gpt_oss_moe_mxfp8_fake,
+                              target_lib=_lib)
+    direct_register_custom_op("gpt_oss_moe_mxfp8_ep", _gpt_oss_moe_mxfp8_ep, fake_impl=_gpt_oss_moe_mxfp8_ep_fake,
                               target_lib=_lib)
 
 
@@ -106,6 +129,13 @@ def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w
                                              w2_bias, topk)
 
 
+def gpt_oss_moe_mxfp8_ep(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, expert_map,
+                         topk: int) -> torch.Tensor:
+    """``gpt_oss_moe_mxfp8`` on this rank's experts (expert parallelism; ``expert_map`` int32 [E])."""
+    return torch.ops.sm121.gpt_oss_moe_mxfp8_ep(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
+                                                w2_bias, expert_map, topk)
+
+
 # ---- the block -------------------------------------------------------------------------------
 
 def routed_experts_of(mlp: torch.nn.Module):
@@ -121,8 +151,18 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
     y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
     router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
-    out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
-                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk)
+    emap = local_expert_map(e)
+    if emap is None:
+        out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
+                                e.w2_weight_scale, e.w2_bias, e.quant_method.topk)
+    else:
+        out = gpt_oss_moe_mxfp8_ep(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias,
+                                   e.w2_weight, e.w2_weight_scale, e.w2_bias, emap, e.quant_method.topk)
+    par = e.moe_config.moe_parallel_config
+    if par.tp_size > 1 or par.ep_size > 1:  # each rank holds a share of the experts' sum
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        out = tensor_model_parallel_all_reduce(out)
     return out, residual
 
 
@@ -146,8 +186,9 @@ def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | N
          or not norm.has_weight or norm.variance_size_override is not None,
          "post-attention norm is not upstream's weighted RMSNorm"),
         (getattr(mlp, "is_sequence_parallel", False), "sequence-parallel MoE"),
-        (par.tp_size != 1 or par.dp_size != 1 or par.pcp_size != 1 or par.ep_size != 1 or par.use_ep,
-         f"parallel MoE (tp={par.tp_size}, dp={par.dp_size}, pcp={par.pcp_size}, ep={par.ep_size})"),
+        (par.dp_size != 1 or par.pcp_size != 1 or par.use_all2all_kernels,
+         f"data/context-parallel MoE (dp={par.dp_size}, pcp={par.pcp_size})"),
+        (getattr(experts.moe_config, "skip_final_all_reduce", False), "MoE output reduced downstream"),
         (getattr(vllm_config, "lora_config", None) is not None, "LoRA"),
         (envs.VLLM_BATCH_INVARIANT, "VLLM_BATCH_INVARIANT"),
         (current_platform.is_rocm(), "ROCm"),

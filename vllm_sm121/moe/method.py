@@ -15,8 +15,17 @@ Architecture
 Constraints
     Weights stay in the checkpoint layout (``w13_weight`` [E, 2I, H/2] e2m1 pairs with gate/up
     rows interleaved, ``*_weight_scale`` e8m0 per 32, bf16 biases), which is what the kernels
-    read: ``process_weights_after_loading`` only validates and makes them contiguous once (no
-    MXFP4 padding either: ``maybe_roundup_sizes`` is the base class's). No expert parallelism.
+    read: ``process_weights_after_loading`` only validates and makes them contiguous once.
+
+Parallelism
+    Tensor parallel: each rank holds an intermediate shard as vLLM's gpt-oss loader cuts it
+    (whole MXFP4 blocks; ``w2_bias`` on rank 0 only). ``maybe_roundup_sizes`` pads the shard to a
+    multiple of 64 (gpt-oss-120b at TP=2: 1440 -> 1472, as upstream's Triton backend does); the
+    loader copies the checkpoint into the leading rows/columns and the padding stays zero, which
+    the SwiGLU maps to 0 and FC2 multiplies by zero weights, so it adds nothing. Expert parallel:
+    the rank holds its experts and ``layer.expert_map`` routes (``kernels.moe.moe_route``).
+    Either way ``moe_block`` returns the rank's share and vLLM's MoE runner (or the fused hook,
+    ``hook.py``) all-reduces it. EPLB is refused (expert maps would change under the kernels).
 
 upstream file: ``vllm/model_executor/layers/quantization/mxfp4.py`` (``GptOssMxfp4Config``,
 ``GptOssMxfp4MoEMethod``).
@@ -45,7 +54,7 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
     """Why this RoutedExperts layer cannot use our method (None: it can)."""
     moe: FusedMoEConfig = layer.moe_config
     checks = (
-        (moe.moe_parallel_config.use_ep, "expert parallelism"),
+        (moe.moe_parallel_config.enable_eplb, "EPLB (expert load balancing)"),
         (moe.activation != MoEActivation.SWIGLUOAI, f"activation {moe.activation}"),
         (not moe.has_bias, "experts without biases"),
         (not getattr(layer, "renormalize", True) or getattr(layer, "scoring_func", "softmax") != "softmax"
@@ -53,14 +62,22 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
          or getattr(layer, "e_score_correction_bias", None) is not None,
          "routing other than softmax top-k renormalized"),
         (getattr(layer, "apply_router_weight_on_input", False), "router weight applied on the input"),
-        (moe.hidden_dim % _ALIGN or moe.intermediate_size_per_partition % _ALIGN,
+        (moe.hidden_dim % _ALIGN or moe.intermediate_size_per_partition % 32,
          (f"hidden {moe.hidden_dim} / intermediate per rank {moe.intermediate_size_per_partition} "
-         f"not multiples of {_ALIGN}")),
+         f"not multiples of {_ALIGN} / 32")),
     )
     for bad, what in checks:
         if bad:
             return what
     return None
+
+
+def local_expert_map(layer: torch.nn.Module) -> torch.Tensor | None:
+    """vLLM's global -> local expert id map under expert parallelism (int32 [E], -1: another rank);
+    None without it."""
+    if not layer.moe_config.moe_parallel_config.use_ep:
+        return None
+    return getattr(layer, "expert_map", None)
 
 
 class Sm121GptOssMxfp4Config(GptOssMxfp4Config):
@@ -115,6 +132,11 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
     def is_monolithic(self) -> bool:
         return True  # routing is ours too: vLLM hands apply_monolithic the router logits
 
+    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+        hidden_size, inter = super().maybe_roundup_sizes(hidden_size, intermediate_size_per_partition, act_dtype,
+                                                         moe_parallel_config)
+        return hidden_size, -(-inter // _ALIGN) * _ALIGN  # zero padding: see "Parallelism" above
+
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
         # Exactly upstream's parameters (names, shapes, dtypes, loader attributes), so the
@@ -138,6 +160,10 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
                 raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(p.shape)} {p.dtype}")
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
+        emap = local_expert_map(layer)
+        if emap is not None and (emap.dtype != torch.int32 or emap.shape != (self.moe.num_experts,)):
+            raise ValueError(f"expert_map: expected int32 [{self.moe.num_experts}] (global -> local expert), got "
+                             f"{emap.dtype} {tuple(emap.shape)}")
 
     def get_fused_moe_quant_config(self, layer):
         return None  # no modular kernel: apply_monolithic runs the whole block
@@ -147,7 +173,8 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
         from vllm_sm121.kernels.moe import moe_block
 
         return moe_block(x.contiguous(), router_logits.contiguous(), layer.w13_weight, layer.w13_weight_scale,
-                         layer.w13_bias, layer.w2_weight, layer.w2_weight_scale, layer.w2_bias, self.topk)
+                         layer.w13_bias, layer.w2_weight, layer.w2_weight_scale, layer.w2_bias, self.topk,
+                         expert_map=local_expert_map(layer))
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         raise NotImplementedError("Sm121Mxfp4MoEMethod is monolithic: vLLM calls apply_monolithic")

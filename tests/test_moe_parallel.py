@@ -1,0 +1,116 @@
+"""The MoE block sharded as vLLM shards it: tensor parallel (intermediate) and expert parallel (experts).
+
+CPU (Triton interpreter), small shapes. Each rank's ``moe_block`` output is its share of the
+unsharded block's; the sum over ranks (what vLLM's all-reduce computes) must equal the unsharded
+block's output up to the bf16 rounding of each share, on every path (fma, decode, grouped):
+
+* TP: w13 rows / w2 columns cut at whole MXFP4 blocks as ``GptOssModel._load_weights_mxfp4``
+  cuts them, ``w2_bias`` on rank 0 only, each shard zero-padded to a multiple of 64 as
+  ``Sm121Mxfp4MoEMethod.maybe_roundup_sizes`` pads it (the padding must add nothing);
+* EP: contiguous expert ranges with vLLM's ``expert_map`` (global -> local id, -1 elsewhere).
+"""
+
+import pytest
+import torch
+from test_moe_block import rel_l2
+
+from vllm_sm121.kernels import moe as K
+
+H, I, E, TOPK = 64, 192, 8, 4  # I = 192: a TP=2 shard of 96 pads to 128 (as 1440 -> 1472 for gpt-oss-120b)
+
+
+def _full(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(118, 122, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).bfloat16()
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 122, (E, H, I // 32), generator=g, dtype=torch.uint8)
+    b2 = (torch.randn(E, H, generator=g) * 0.5).bfloat16()
+    return w13, s13, b13, w2, s2, b2
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = size - shape[dim]
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim=dim)
+
+
+def tp_shards(weights, tp: int, align: int = 64):
+    """Rank r's (w13, s13, b13, w2, s2, b2): intermediate rows [r*I/tp, (r+1)*I/tp) of the gate/up
+    pairs and the matching w2 columns, padded with zeros to a multiple of ``align``."""
+    w13, s13, b13, w2, s2, b2 = weights
+    per = I // tp
+    assert per % 32 == 0
+    pad = -(-per // align) * align
+    for r in range(tp):
+        a, b = r * per, (r + 1) * per
+        yield (_pad(w13[:, 2 * a:2 * b], 1, 2 * pad), _pad(s13[:, 2 * a:2 * b], 1, 2 * pad),
+               _pad(b13[:, 2 * a:2 * b], 1, 2 * pad), _pad(w2[:, :, a // 2:b // 2], 2, pad // 2),
+               _pad(s2[:, :, a // 32:b // 32], 2, pad // 32),
+               b2 if r == 0 else torch.zeros_like(b2))
+
+
+def ep_shards(weights, ep: int):
+    """Rank r's experts [r*E/ep, (r+1)*E/ep) and vLLM's linear expert_map for it."""
+    per = E // ep
+    for r in range(ep):
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[r * per:(r + 1) * per] = torch.arange(per, dtype=torch.int32)
+        yield tuple(w[r * per:(r + 1) * per] for w in weights), emap
+
+
+def _inputs(m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, H, generator=g).bfloat16(), torch.randn(m, E, generator=g).bfloat16()
+
+
+@pytest.mark.interpreter
+def test_expert_map_routing_matches_reference(device):
+    _, logits = _inputs(9, seed=1)
+    logits[3] = torch.arange(E).flip(0).bfloat16()  # token 3: its top-4 are experts 0..3, all on rank 0
+    for _, emap in ep_shards(_full(0), 2):
+        w, ids = K.moe_route(logits.to(device), TOPK, expert_map=emap.to(device))
+        rw, rids = K.moe_route_torch(logits, TOPK, emap)
+        assert torch.equal(ids.cpu(), rids) and torch.allclose(w.cpu(), rw, atol=1e-6)
+        assert ids.min() >= 0 and ids.max() < E // 2
+    full_w, _ = K.moe_route_torch(logits, TOPK)
+    shares = [K.moe_route_torch(logits, TOPK, emap)[0] for _, emap in ep_shards(_full(0), 2)]
+    assert torch.allclose(shares[0] + shares[1], full_w)  # every slot's weight on exactly one rank
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["fma", "decode", "grouped"])
+@pytest.mark.parametrize("kind", ["tp", "ep"])
+def test_rank_shares_sum_to_the_unsharded_block(device, path, kind):
+    m = 3
+    weights = _full(seed=2)
+    x, logits = _inputs(m, seed=3)
+    full = K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in weights], TOPK, path=path)
+    shares = []
+    if kind == "tp":
+        for shard in tp_shards(weights, 2):
+            assert shard[3].shape[2] * 2 == 128  # the 96-wide shard was padded
+            shares.append(K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in shard], TOPK,
+                                      path=path))
+    else:
+        for shard, emap in ep_shards(weights, 2):
+            shares.append(K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in shard], TOPK,
+                                      path=path, expert_map=emap.to(device)))
+    total = shares[0].float() + shares[1].float()
+    ref = K.moe_block_torch(x, logits, *weights, TOPK)
+    err, ref_err = rel_l2(total.cpu(), full.float().cpu()), rel_l2(full.float().cpu(), ref)
+    print(f"\n{kind} {path}: sum of shares vs unsharded {err:.2e} (unsharded vs reference {ref_err:.2e})")
+    assert torch.isfinite(total).all() and total.abs().max() > 0.3
+    assert err < 1e-2, err
+
+
+def test_roundup_pads_the_shard_to_64():
+    from test_moe_block import Case, make_moe_config
+
+    from vllm_sm121.moe.method import Sm121Mxfp4MoEMethod
+
+    method = Sm121Mxfp4MoEMethod(make_moe_config(Case(1, 64, 64, 4, 2)))
+    par = method.moe.moe_parallel_config
+    assert method.maybe_roundup_sizes(2880, 1440, torch.bfloat16, par) == (2880, 1472)
+    assert method.maybe_roundup_sizes(2880, 2880, torch.bfloat16, par) == (2880, 2880)
