@@ -29,7 +29,7 @@ for step in "$@"; do
     e2equick) python3 benchmarks/e2e.py --quick ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_quick${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_quick${E2E_TAG:-}.log" | tail -n 60 ;;
     e2e120b) python3 benchmarks/e2e.py --model models/gpt-oss-120b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-} --out "$OUT/e2e_120b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_120b${E2E_TAG:-}.log" | tail -n 60 ;;
     e2etp) python3 benchmarks/e2e.py --model models/gpt-oss-120b --tensor-parallel-size "${E2E_TP:-2}" --configs "${E2E_CONFIGS:-upstream-default,sm121-nvfp4kv}" ${E2E_ARGS:-} --out "$OUT/e2e_120b_${E2E_TAG:-tp2}.json" 2>&1 | tee "$OUT/e2e_120b_${E2E_TAG:-tp2}.log" | tail -n 60 ;;
-    tptests) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -x -q -m gpu tests/test_tp_gpu.py ${TP_K:+-k "$TP_K"} -s -p no:cacheprovider 2>&1 | tee "$OUT/tptests.log" | tail -n 40 ;;
+    tptests) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -q -m gpu tests/test_tp_gpu.py ${TP_K:+-k "$TP_K"} -s -p no:cacheprovider 2>&1 | tee "$OUT/tptests.log" | tail -n 40 ;;
     e2e20b) python3 benchmarks/e2e.py --model models/gpt-oss-20b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_20b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_20b${E2E_TAG:-}.log" | tail -n 60 ;;
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
     serve) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_fp.log" -- --max-cudagraph-capture-size 8 ;;
