@@ -177,7 +177,7 @@ def moe_specs(family: str) -> list[Spec]:
                    w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16")
     route = dict(E=128, E_PAD=128, TOPK=4, TOPK_PAD=4, K=2880, BLOCK_K=512, ROUTE=True, HW_FP8=True)
     route_ptrs = dict(logits_ptr="*bf16", topk_w_ptr="*fp32", topk_ids_ptr="*i32", x_ptr="*bf16", xq_ptr="*u8",
-                      xs_ptr="*u8")
+                      xs_ptr="*u8", expert_map_ptr="*i32")
     decode = dict(E=128, TOPK=4, TOPK_PAD=4, BLOCK_M=M.DECODE_BLOCK_M, BLOCK_K=M.DECODE_BLOCK_K, DOT_SCALED=True)
     mx = dict(w_ptr="*u8", w_scale_ptr="*u8", bias_ptr="*bf16", topk_ids_ptr="*i32")
     specs = [
@@ -185,6 +185,8 @@ def moe_specs(family: str) -> list[Spec]:
              ptr_types=route_ptrs, num_warps=1),
         Spec(name="moe_route[E128 top4, + MXFP8 quantize H2880]", fn=_moe_route_kernel,
              constexprs=dict(route, QUANT=True), ptr_types=route_ptrs, num_warps=4),
+        Spec(name="moe_route[E128 top4, + MXFP8 quantize H2880, EP expert_map]", fn=_moe_route_kernel,
+             constexprs=dict(route, QUANT=True, HAS_MAP=True), ptr_types=route_ptrs, num_warps=4),
         Spec(name="moe_fc1_swiglu[gpt-oss K2880 I2880 top4, decode]", fn=_moe_fc1_swiglu_kernel,
              constexprs=dict(decode, K=2880, I=2880, BLOCK_N=M.DECODE_FC1_BLOCK_N, ALPHA=1.702, LIMIT=7.0,
                              HW_FP8=True),
