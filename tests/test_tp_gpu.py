@@ -41,7 +41,7 @@ UPSTREAM = dict(additional_config={"sm121": {"moe": "upstream"}})
 MOE = dict(additional_config={"sm121": {"moe": "mxfp8"}})
 
 
-def _run(ckpt, prompts, *, tp=1, ep=False, graphs=False, gen=0, **kw):
+def _run(ckpt, prompts, *, tp=1, ep=False, graphs=False, gen=0, chunk=256, **kw):
     """(prompt logprobs, generated ids, generated logprobs) of one engine; TP workers are spawned."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -49,7 +49,7 @@ def _run(ckpt, prompts, *, tp=1, ep=False, graphs=False, gen=0, **kw):
 
     mode = dict(compilation_config={"cudagraph_mode": graphs, "max_cudagraph_capture_size": 8}) if graphs \
         else dict(enforce_eager=True)
-    llm = LLM(model=ckpt, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=256,
+    llm = LLM(model=ckpt, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=chunk,
               gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0, tensor_parallel_size=tp,
               enable_expert_parallel=ep, **mode, **kw)
     try:
@@ -117,13 +117,23 @@ def test_moe_at_tp2_and_ep2_within_upstream_spread(ckpt):
 def test_nvfp4_and_fp8_dense_at_tp2_reported(ckpt, upstream):
     """Everything on (nvfp4 KV, MXFP8 MoE, FP8 dense) at TP=2 / EP=2 vs TP=1: reported with a
     sanity bound. Each rank calibrates nvfp4 scales on its heads (powers of two: the same cache
-    values) and quantizes its o_proj shard with its own scales (not TP=1's)."""
+    values) and quantizes its o_proj shard with its own scales (not TP=1's).
+
+    No upstream backend reads nvfp4 on sm_90, so the configuration's own run-to-run spread is
+    measured the one way available: the same TP=1 engine with prefill chunks of 512 instead of 256
+    tokens (another, equally correct, reduction order), printed next to the same measure for
+    upstream TRITON_ATTN (to compare it with the FLASH_ATTN-vs-TRITON_ATTN spread)."""
     prompts = _prompts(PROMPT_LENS)
     signal = torch.cat(upstream[0]).std().item()
+    chunked = logprob_gap(_run(ckpt, prompts, chunk=512, attention_backend="TRITON_ATTN", **UPSTREAM)[0],
+                          upstream[0])
+    _say("upstream TRITON_ATTN, prefill chunks 512 vs 256 (TP=1)", chunked, upstream[1])
     for what, kw in (("nvfp4 KV + MXFP8 MoE", PLUGIN),
                      ("nvfp4 KV + MXFP8 MoE + FP8 dense",
                       dict(PLUGIN, additional_config={"sm121": {"moe": "mxfp8", "dense_weights": "fp8"}}))):
         tp1 = _run(ckpt, prompts, **kw)[0]
+        own = logprob_gap(_run(ckpt, prompts, chunk=512, **kw)[0], tp1)
+        _say(f"{what}, prefill chunks 512 vs 256 (TP=1): this configuration's own spread", own, upstream[1])
         for name, par in (("TP=2", dict(tp=2)), ("EP=2", dict(tp=2, ep=True))):
             gap = logprob_gap(_run(ckpt, prompts, **par, **kw)[0], tp1)
             _say(f"{what} {name} vs TP=1 (reported)", gap, upstream[1])
