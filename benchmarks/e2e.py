@@ -166,6 +166,10 @@ CONFIGS: tuple[Config, ...] = (
            "SM121 attention with vLLM's own MoE (isolates the backend)", **OFF),
     Config("sm121-fp8dense", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
            "SM121, FP8 (e4m3, per-output-channel) qkv/o/lm_head weights"),
+    # Off by default: batches of >= 5 tokens through vLLM's W8A8 GEMM (kernels/dense.py, opt-in).
+    Config("sm121-fp8dense-w8a8", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
+           "SM121 + FP8 dense, M >= 5 via vLLM's cutlass W8A8 GEMM", **OFF,
+           env=(("VLLM_SM121_DENSE_W8A8_MIN_M", "5"),)),
     # Off by default: the plugin's MoE is gated off (vllm_sm121.moe.READY) and this opts in.
     Config("sm121-moe", {**SM121}, "SM121 + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),

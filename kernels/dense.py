@@ -24,6 +24,11 @@ Architecture
     epilogue. Tiles per family in DENSE_FMA_TILES, overridden at call time by
     $VLLM_SM121_DENSE_FMA_TILES="rows,kw,warps".
 
+    Batches and prefill may instead take vLLM's own W8A8 FP8 GEMM (``path="w8a8"``: per-token
+    e4m3 activations from ``scaled_fp8_quant``, ``cutlass_scaled_mm`` on the same weights and
+    scales), opt-in with $VLLM_SM121_DENSE_W8A8_MIN_M until it has run end to end
+    (DENSE_W8A8_MIN_M); where vLLM has no such kernel the call is refused, not rerouted.
+
     For the error study (``benchmarks/dense_error.py``) the module also holds the weight-only MX
     formats as torch conversions: ``mxfp8_weight_quantize`` (e4m3 + e8m0 per 32 along K, via
     ``norm_mxfp8.mxfp8_quantize_torch``) and ``mxfp4_weight_quantize`` (e2m1 + e8m0 per 32, the
@@ -113,7 +118,16 @@ DENSE_FMA_KERNEL_MAX_M = 4
 DENSE_FMA_MAX_M = 4
 DENSE_FMA_WIDE_MAX_M = 1
 DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
-PATHS = ("auto", "fma", "mma")
+# Batches / prefill through vLLM's W8A8 FP8 GEMM ("w8a8": ``scaled_fp8_quant`` per token, then
+# ``cutlass_scaled_mm`` on the same e4m3 weights and per-channel scales). On an H100 at 8e7318f
+# (benchmarks/dense.py, provider vllm_cutlass_fp8, quantization included) it took 10.7-12.6 us
+# for qkv / o at M = 8..64 against 17.7-43.0 us for the MMA kernel above and 12.5-15.4 us for
+# cuBLAS bf16. It quantizes the activations (per-token e4m3: W8A8 numerics, not W8A16), so it is
+# off by default (0) until it has run end to end; $VLLM_SM121_DENSE_W8A8_MIN_M=m takes it for
+# M >= m (above the FMA path), read at each call like the FMA limit.
+DENSE_W8A8_MIN_M = 0
+DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
+PATHS = ("auto", "fma", "mma", "w8a8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,18 +186,44 @@ def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
     return DenseFmaTiles.parse(env) if env else DENSE_FMA_TILES[_platform.family_of(t)]
 
 
-def select_path(m: int, n: int = 0) -> str:
-    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma"
-    or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${name}={text!r}: expected an integer") from None
 
-    $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the limit for every N.
+
+def select_path(m: int, n: int = 0) -> str:
+    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma",
+    "w8a8" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
+
+    $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the FMA limit for every N;
+    $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM.
     """
-    env = os.environ.get(DENSE_FMA_MAX_M_ENV, "").strip()
-    if env:
-        fma_max = int(env)
-    else:
-        fma_max = DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M
-    return "fma" if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M) else "mma"
+    fma_max = _env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
+    if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
+        return "fma"
+    w8a8_min = _env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
+    return "w8a8" if 0 < w8a8_min <= m else "mma"
+
+
+def w8a8_unsupported_reason(x: torch.Tensor, n: int, k: int) -> str | None:
+    """Why vLLM's W8A8 FP8 GEMM cannot take this call (None: it can)."""
+    if x.device.type != "cuda":
+        return f"it needs a CUDA device (vLLM's cutlass_scaled_mm), got {x.device}"
+    if n % 16 or k % 16:
+        return f"out_features={n} / in_features={k} must be multiples of 16"
+    try:
+        from vllm import _custom_ops as ops
+    except Exception as e:  # noqa: BLE001 - any import failure means the op is unavailable
+        return f"vllm._custom_ops cannot be imported ({type(e).__name__}: {e})"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if not ops.cutlass_scaled_mm_supports_fp8(major * 10 + minor):
+        return f"vLLM's cutlass_scaled_mm has no FP8 kernel for compute capability {major}.{minor}"
+    return None
 
 
 # ---- conversion ----------------------------------------------------------------------------
@@ -287,8 +327,9 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, *, path: str = "auto") -> torch.Tensor:
     """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation).
 
-    path: "auto" (``select_path``: the FMA GEMV for few tokens, else the MMA kernel),
-    "fma" (M <= DENSE_FMA_KERNEL_MAX_M only) or "mma".
+    path: "auto" (``select_path``: the FMA GEMV for few tokens, else the MMA kernel, or vLLM's
+    W8A8 GEMM where $VLLM_SM121_DENSE_W8A8_MIN_M says), "fma" (M <= DENSE_FMA_KERNEL_MAX_M only),
+    "mma" or "w8a8" (the activations are quantized to e4m3 per token: W8A8 numerics).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
@@ -298,8 +339,16 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
-    if path == "fma" or (path == "auto" and select_path(m, n) == "fma"):
+    if path == "auto":
+        path = select_path(m, n)
+    if path == "fma":
         return _dense_fma(x, w, scale, bias, out)
+    if path == "w8a8":
+        reason = w8a8_unsupported_reason(x, n, k)
+        if reason:
+            raise ValueError(f"dense FP8 path 'w8a8' (${DENSE_W8A8_MIN_M_ENV} or path='w8a8') is not supported "
+                             f"here: {reason}; unset ${DENSE_W8A8_MIN_M_ENV} to use the MMA kernel")
+        return _dense_w8a8(x, w, scale, bias)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
     if m <= DECODE_MAX_M:
         bm, bn, bk, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS,
@@ -333,6 +382,22 @@ def _dense_fma(x, w, scale, bias, out) -> torch.Tensor:
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
         num_warps=tiles.num_warps)
     return out
+
+
+def _dense_w8a8(x, w, scale, bias) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    xq, xs = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    b = bias.to(torch.bfloat16) if bias is not None and bias.dtype != torch.bfloat16 else bias
+    return ops.cutlass_scaled_mm(xq, w.view(torch.float8_e4m3fn).t(), xs, scale.view(-1, 1), torch.bfloat16, b)
+
+
+def w8a8_activation_quantize_torch(x: torch.Tensor) -> torch.Tensor:
+    """What the w8a8 path multiplies: x rounded to e4m3 with one fp32 scale per token (amax / 448),
+    dequantized (fp32). Reference for the kernel-error check of that path."""
+    xf = x.float()
+    s = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
 
 
 def dense_fp8_linear_torch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

@@ -158,6 +158,17 @@ def test_dense_paths_and_selection(device, monkeypatch):
     assert [D.select_path(m, wide) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
     monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "0")
     assert D.select_path(1) == "mma"
+    monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV)
+    assert D.DENSE_W8A8_MIN_M == 0 and D.select_path(64) == "mma"  # vLLM's W8A8 GEMM: opt-in
+    monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "8")
+    assert [D.select_path(m, 5120) for m in (1, 4, 5, 7, 8, 2048)] == ["fma", "fma", "mma", "mma", "w8a8", "w8a8"]
+    monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "eight")
+    with pytest.raises(ValueError, match="VLLM_SM121_DENSE_W8A8_MIN_M='eight': expected an integer"):
+        D.select_path(8)
+    monkeypatch.delenv(D.DENSE_W8A8_MIN_M_ENV)
+    if device == "cpu":  # refused with the reason, never rerouted to another path
+        with pytest.raises(ValueError, match="path 'w8a8'.*needs a CUDA device"):
+            D.dense_fp8_linear(x, q, s, b, path="w8a8")
     monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "2")
     assert [D.select_path(m) for m in (2, 3)] == ["fma", "mma"]
     monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "99")  # capped at what the kernel unrolls
@@ -239,3 +250,29 @@ def test_dense_fma_gpt_oss_120b_shapes(shape, m):
     assert_close(fma, ref, atol=2e-2, rtol=1e-2, what="fma")
     assert ((fma.float() - mma.float()).norm() / mma.float().norm()).item() < 4e-3
     assert torch.equal(D.dense_fp8_linear(x, q, s, b), fma)  # auto = fma at M <= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qkv", "o"])
+@pytest.mark.parametrize("m", [8, 64, 2048])
+def test_dense_w8a8_path_gpt_oss_120b_shapes(shape, m, monkeypatch):
+    """vLLM's W8A8 GEMM on our e4m3 weights: kernel error against the product of the per-token
+    e4m3 activations and the dequantized weights; its W8A8 error against the W8A16 reference is
+    printed (the price of quantizing activations). Auto takes it only when the env says so."""
+    n, k = {"qkv": (5120, 2880), "o": (2880, 4096)}[shape]
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    b = (torch.randn(n, generator=g, device="cuda") * 0.02).bfloat16()
+    q, s = D.fp8_per_channel_quantize(w)
+    if D.w8a8_unsupported_reason(x, n, k):
+        pytest.skip(D.w8a8_unsupported_reason(x, n, k))
+    out = D.dense_fp8_linear(x, q, s, b, path="w8a8")
+    ref = D.dense_fp8_linear_torch(D.w8a8_activation_quantize_torch(x), q, s, b)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    w8a16 = D.dense_fp8_linear_torch(x, q, s, b)
+    rel_a = ((out.float() - w8a16).norm() / w8a16.norm()).item()
+    print(f"\n{shape} M={m}: w8a8 kernel error {rel:.2e}; vs W8A16 reference {rel_a:.2e}")
+    assert rel < 4e-3, rel
+    monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "8")
+    assert torch.equal(D.dense_fp8_linear(x, q, s, b), out)

@@ -210,7 +210,9 @@ def test_configs_table():
     for name in moe_on:
         assert dict(by[name].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}
         assert name not in e2e.DEFAULT_CONFIGS
-    assert all(c.env == () for c in e2e.CONFIGS if c.name not in moe_on)
+    assert dict(by["sm121-fp8dense-w8a8"].env) == {"VLLM_SM121_DENSE_W8A8_MIN_M": "5"}
+    assert "sm121-fp8dense-w8a8" not in e2e.DEFAULT_CONFIGS
+    assert all(c.env == () for c in e2e.CONFIGS if c.name not in moe_on + ("sm121-fp8dense-w8a8",))
 
 
 # ---------------------------------------------------------------------------------------------
