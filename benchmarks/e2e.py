@@ -414,7 +414,8 @@ def round_up(x: int, m: int) -> int:
 
 
 def base_llm_kwargs(
-    model_dir: Path, hf: dict, points: list[Point], quick: bool, seed: int, tp: int = 1, ep: bool = False
+    model_dir: Path, hf: dict, points: list[Point], quick: bool, seed: int, tp: int = 1, ep: bool = False,
+    engine_timestamps: bool = False,
 ) -> dict:
     needed = max(4096, round_up(max(p.max_len for p in points), 1024))
     positions = int(hf.get("max_position_embeddings") or 0)
@@ -435,6 +436,8 @@ def base_llm_kwargs(
         kw["tensor_parallel_size"] = tp
     if ep:
         kw["enable_expert_parallel"] = True
+    if engine_timestamps:  # RequestOutput.metrics: the engine core's per-token timestamps
+        kw["disable_log_stats"] = False
     return kw
 
 
@@ -494,7 +497,8 @@ def build_plan(args) -> list[ModelPlan]:
         except ValueError as e:
             raise ValueError(f"--model {text!r}: {path / 'config.json'}: {e}") from e
         base = base_llm_kwargs(path, hf, points, args.quick, args.seed,
-                               getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False))
+                               getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False),
+                               getattr(args, "engine_timestamps", False))
         runs = []
         for cfg in args.config_objs:
             kw = llm_kwargs_for(cfg, base, args.llm_kwargs_obj)
@@ -651,7 +655,26 @@ def engine_info(llm) -> dict:
     return info
 
 
-def _timed_generate(llm, prompts: list[dict], max_tokens: int) -> float:
+def engine_step_s(outs, n: int) -> float | None:
+    """Decode seconds per step on the engine core's clock: the median over requests of
+    (last token time - first token time) / (n - 1), from ``RequestOutput.metrics`` (vLLM fills
+    it when stats are on: ``--engine-timestamps``). Prefill and everything in this front-end
+    process (IPC, output processing, this script) are outside that interval; stalls inside the
+    engine core are not. None without metrics or with n < 2."""
+    if n < 2:
+        return None
+    vals = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        if not first or not last or last <= first:
+            return None
+        vals.append((last - first) / (n - 1))
+    return statistics.median(vals) if vals else None
+
+
+def _timed_generate(llm, prompts: list[dict], max_tokens: int, engine_steps: list | None = None) -> float:
+    """Wall seconds of one ``generate``; with ``engine_steps``, also appends ``engine_step_s``."""
     sp = make_sampling_params(max_tokens)
     # A collection of this (front-end) process's garbage now rather than inside the timed call:
     # 1-3 s stalls hit random timed calls on the H100 (cause not identified; the engine core is
@@ -663,6 +686,8 @@ def _timed_generate(llm, prompts: list[dict], max_tokens: int) -> float:
     got = [len(o.outputs[0].token_ids) for o in outs]
     if len(outs) != len(prompts) or any(n != max_tokens for n in got):
         raise RuntimeError(f"expected {len(prompts)} x {max_tokens} tokens, got {got}")
+    if engine_steps is not None:
+        engine_steps.append(engine_step_s(outs, max_tokens))
     return dt
 
 
@@ -744,8 +769,15 @@ def run_point(llm, pt: Point, vocab: int, spec: dict, say) -> dict:
         rec["warmup_s"].append(
             [_timed_generate(llm, prompts, 1), _timed_generate(llm, prompts, n)]
         )
-    rec.update(run_tg_pairs(lambda: (_timed_generate(llm, prompts, 1), _timed_generate(llm, prompts, n)),
+    steps: list = []
+    rec.update(run_tg_pairs(lambda: (_timed_generate(llm, prompts, 1), _timed_generate(llm, prompts, n, steps)),
                             iters, spec.get("extra_iters", 0), n, pt.batch, say))
+    if any(x is not None for x in steps):  # --engine-timestamps: a second, stall-resistant estimate
+        ok = [x for x in steps if x is not None]
+        rec["engine_ms_per_step"] = [None if x is None else x * 1e3 for x in steps]
+        rec["engine_ms_per_step_median"] = statistics.median(ok) * 1e3
+        rec["engine_tok_s"] = pt.batch / statistics.median(ok)
+        say(f"engine-core clock: {rec['engine_ms_per_step_median']:.3f} ms/step median over {len(ok)} iterations")
     return rec
 
 
@@ -1070,6 +1102,7 @@ def make_header(args, copy_bw: dict | None) -> dict:
         # every configuration's LLM kwargs carry them too (tensor_parallel_size only when > 1)
         "tensor_parallel_size": tp,
         "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
+        "engine_timestamps": bool(getattr(args, "engine_timestamps", False)),
         "copy_bandwidth": copy_bw,
         "copy_bandwidth_gbps": (copy_bw or {}).get("gbps"),
         "gb10": {"bandwidth_gbps": GB10_BANDWIDTH_GBPS, "published": PUBLISHED_GB10},
@@ -1524,6 +1557,14 @@ def parse_args(argv=None):
         default=4,
         help="decode points: up to this many more (t(1), t(N)) pairs while fewer than 2 iterations "
         "agree with the min-based estimate within 5%% (default 4; 0 = off)",
+    )
+    ap.add_argument(
+        "--engine-timestamps",
+        action="store_true",
+        help="turn vLLM's request stats on (disable_log_stats=False, every configuration) and also "
+        "record decode ms/step on the engine core's clock (first -> last token of each request; "
+        "host stalls in this front-end process do not enter it). Off by default: not yet compared "
+        "with the default estimator on a GPU",
     )
     ap.add_argument(
         "--warmup",

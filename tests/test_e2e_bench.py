@@ -610,3 +610,53 @@ def test_header_and_report_record_parallelism(capsys):
     e2e.print_bytes_table(args.plans[0])
     out = capsys.readouterr().out
     assert "TP=" not in out and "per GPU" not in out and "GPU " not in out and "/GPU" not in out and "2x" not in out
+
+
+# engine-core timestamps (--engine-timestamps)
+
+
+def test_engine_step_s_uses_the_engine_clock_and_refuses_missing_metrics():
+    import types
+
+    def out(first, last):
+        return types.SimpleNamespace(metrics=types.SimpleNamespace(first_token_ts=first, last_token_ts=last))
+
+    n = 128
+    outs = [out(10.0, 10.0 + 0.004 * (n - 1)), out(10.0, 10.0 + 0.005 * (n - 1)), out(10.0, 10.0 + 0.0045 * (n - 1))]
+    assert abs(e2e.engine_step_s(outs, n) - 0.0045) < 1e-12  # the median request
+    assert e2e.engine_step_s(outs, 1) is None
+    assert e2e.engine_step_s([types.SimpleNamespace(metrics=None)], n) is None  # stats off
+    assert e2e.engine_step_s([out(0.0, 0.0)], n) is None
+
+
+def test_engine_timestamps_flag_turns_stats_on_for_every_config(tmp_path):
+    args = e2e.parse_args(["--model", "gpt-oss-tiny", "--engine-timestamps", "--configs", "upstream-default,sm121"])
+    plans = e2e.build_plan(args)
+    for run in plans[0].runs:
+        assert run["llm_kwargs"]["disable_log_stats"] is False
+    default = e2e.build_plan(e2e.parse_args(["--model", "gpt-oss-tiny", "--configs", "sm121"]))
+    assert "disable_log_stats" not in default[0].runs[0]["llm_kwargs"]
+
+
+def test_run_point_records_engine_clock_steps_next_to_the_wall_clock_estimate():
+    """A fake LLM whose wall time carries a 1.5 s front-end stall in one t(N) while its engine-core
+    timestamps show the true 4 ms step: the engine-clock estimate is recorded beside the default."""
+    import types
+
+    step, n, batch = 0.004, 128, 2
+    calls = []
+
+    class FakeLLM:
+        def generate(self, prompts, sp, use_tqdm=False):
+            calls.append(sp.max_tokens)
+            metrics = types.SimpleNamespace(first_token_ts=5.0, last_token_ts=5.0 + step * (sp.max_tokens - 1))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * sp.max_tokens)],
+                                          metrics=metrics) for _ in prompts]
+
+    pt = e2e.Point("tg128-b2", "tg", batch, 16, n)
+    spec = {"seed": 0, "warmup": 0, "iters": 2, "extra_iters": 0}
+    rec = e2e.run_point(FakeLLM(), pt, 1000, spec, lambda msg: None)
+    assert calls == [1, n, 1, n]
+    assert rec["engine_ms_per_step"] == pytest.approx([step * 1e3] * 2)
+    assert rec["engine_ms_per_step_median"] == pytest.approx(step * 1e3)
+    assert rec["engine_tok_s"] == pytest.approx(batch / step)
