@@ -11,6 +11,12 @@ bf16 K/V: relative error ||o - o_ref|| / ||o_ref|| (mean over heads), and the ma
 error. Data kinds: Gaussian (std 1), and Gaussian with 4 outlier channels per head 10x and 50x
 larger (as real K often has). ``--kernel`` (GPU) also runs SM121's paged-attention kernel on the
 nvfp4 pages and reports its deviation from the dequantized reference (kernel error only).
+
+Sensitivity (why a quantized cache widens run-to-run spreads, e.g. TP=2 vs TP=1): K and V are
+perturbed by what a different reduction order changes upstream (each element moved by one bf16
+ulp with probability 1/2, i.e. rounded the other way), then stored again in each format; the
+change of the attention output divided by the change with bf16 KV is the format's
+amplification of such perturbations (code flips move values by a whole e4m3 / e2m1 step).
 """
 
 from __future__ import annotations
@@ -90,6 +96,20 @@ def kernel_error(q, pages, scale, device):
     return (out.float() - ref.float()).abs().max().item()
 
 
+def perturb_bf16(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """x (bf16) with about half of its elements moved one bf16 ulp up or down (rounded the other
+    way): the difference a different fp32 summation order leaves after rounding to bf16."""
+    bits = x.view(torch.int16)
+    step = torch.randint(-1, 2, x.shape, generator=g, dtype=torch.int16) * (torch.rand(x.shape, generator=g) < 0.5)
+    return (bits + step.to(torch.int16)).view(torch.bfloat16)
+
+
+def output_change(q, a, b, scale) -> float:
+    """Mean over heads of ||attend(a) - attend(b)|| / ||attend(a)||."""
+    oa, ob = attend(q, *a, scale), attend(q, *b, scale)
+    return ((oa - ob).norm(dim=-1) / oa.norm(dim=-1)).mean().item()
+
+
 def _commit() -> str:
     if os.environ.get("VLLM_SM121_COMMIT"):
         return os.environ["VLLM_SM121_COMMIT"]
@@ -132,16 +152,27 @@ def main() -> int:
                 o = attend(q, kc, vc, scale)
                 rel = ((o - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item()
                 row[name] = {"rel_err": rel, "max_abs_err": (o - ref).abs().max().item()}
+            kp, vp = perturb_bf16(k, g), perturb_bf16(v, g)
+            k4p, v4p, _ = nvfp4_roundtrip(kp, vp, device)
+            fp8 = lambda x: x.float().to(torch.float8_e4m3fn).float()  # noqa: E731
+            base = output_change(q, (k, v), (kp, vp), scale)
+            row["sensitivity"] = {"bf16_output_change": base,
+                                  "fp8_amplification": output_change(q, (fp8(k), fp8(v)), (fp8(kp), fp8(vp)), scale) / base,
+                                  "nvfp4_amplification": output_change(q, (k4, v4), (k4p, v4p), scale) / base}
             if args.kernel:
                 row["nvfp4_kernel_vs_dequantized_max_abs"] = kernel_error(q, pages, scale, device)
             rows.append(row)
             print(f"D={d:<4} {kind:<13} rel.err vs bf16 KV:  fp8 {row['fp8']['rel_err']:.2e}  "
                   f"nvfp4 {row['nvfp4']['rel_err']:.2e}" + (f"  (kernel vs dequant {row['nvfp4_kernel_vs_dequantized_max_abs']:.1e})"
                                                               if args.kernel else ""), flush=True)
-    print("\nrelative error of the attention output vs bf16 KV:")
-    print("| head size | data | fp8 KV | nvfp4 KV |\n| --- | --- | --- | --- |")
+    print("\nrelative error of the attention output vs bf16 KV, and how much each format amplifies a")
+    print("one-ulp bf16 perturbation of K/V (output change / the change with bf16 KV):")
+    print("| head size | data | fp8 KV | nvfp4 KV | bf16 change | fp8 amplification | nvfp4 amplification |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['head_size']} | {r['data']} | {r['fp8']['rel_err']:.2e} | {r['nvfp4']['rel_err']:.2e} |")
+        sens = r["sensitivity"]
+        print(f"| {r['head_size']} | {r['data']} | {r['fp8']['rel_err']:.2e} | {r['nvfp4']['rel_err']:.2e} | "
+              f"{sens['bf16_output_change']:.2e} | {sens['fp8_amplification']:.1f}x | {sens['nvfp4_amplification']:.1f}x |")
     if args.out:
         import vllm_sm121
 
