@@ -45,9 +45,10 @@ Limitations
     gpt-oss-120b layer at M = 1 on an H100 (436 GB/s). The FMA GEMVs (GPU-tested on an H100 at
     gpt-oss-120b/20b shapes, M = 1..4) take 52.8 / 98.4 / 179.6 us at M = 1 / 2 / 4 there
     against 123.8 / 212.9 / 367.8 us for the dot_scaled ones (33-36% of copy bandwidth: FC1 at
-    ~42%, FC2 + combine at ~30%; FMA_TILES). No expert
-    parallelism (expert ids are global). e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero
-    blocks use it).
+    ~42%, FC2 + combine at ~30%; FMA_TILES). Tensor / expert parallel shards (``moe_block``'s
+    ``expert_map``) matched the unsharded block on the interpreter and, in vLLM at TP=2 / EP=2,
+    TP=1 within the spread of that configuration on two H100s; their speed was not measured
+    separately. e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero blocks use it).
 """
 
 from __future__ import annotations

@@ -158,3 +158,43 @@ def greedy_agreement(pass0, pass1, tie: float = 0.05):
                 bad.append((s, pos, m0, m1))
             break
     return torch.tensor(deltas), bad
+
+
+def generate_and_score(llm, prompts, gen: int = 0):
+    """Greedy ``llm.generate`` of ``max(gen, 1)`` tokens with teacher-forced prompt logprobs:
+    (prompt logprobs of tokens 1.. per prompt, generated ids, their logprobs), as 1-D tensors."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max(gen, 1), prompt_logprobs=0, logprobs=0, temperature=0.0,
+                        ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    prompt_lp = [torch.tensor([d[t].logprob for d, t in zip((o.prompt_logprobs or [None])[1:], p[1:])])
+                 for o, p in zip(outs, prompts)]
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    gen_lp = [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, i)]) for o, i in zip(outs, ids)]
+    return prompt_lp, ids, gen_lp
+
+
+def run_engine(prompts, *, gen: int = 0, graphs=False, **llm_kwargs):
+    """One vLLM engine as the end-to-end GPU tests start it (random checkpoint, no tokenizer,
+    4k context, 30% of the card, no prefix cache, seed 0; eager, or ``graphs`` = a cudagraph_mode
+    name with capture sizes <= 8), scored by ``generate_and_score``, then torn down."""
+    import gc
+    import os
+
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # As `vllm serve` does: engine and workers are spawned, and load the plugin by entry point.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    from vllm import LLM
+
+    mode = dict(compilation_config={"cudagraph_mode": graphs, "max_cudagraph_capture_size": 8}) if graphs \
+        else dict(enforce_eager=True)
+    base = dict(skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=256, gpu_memory_utilization=0.3,
+                enable_prefix_caching=False, seed=0)
+    llm = LLM(**{**base, **mode, **llm_kwargs})
+    try:
+        return generate_and_score(llm, prompts, gen)
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()

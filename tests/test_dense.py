@@ -230,17 +230,23 @@ def test_dense_fma_ptx_keeps_denormals_and_has_no_loop_barrier(tmp_path):
         assert r == dict(ftz=False, bar=0, mma=False, ffma=True), (name, r)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["qkv", "o"])
-@pytest.mark.parametrize("m", [1, 2, 4])
-def test_dense_fma_gpt_oss_120b_shapes(shape, m):
-    """FMA vs MMA vs the fp32 reference at gpt-oss-120b shapes (qkv N5120 K2880, o N2880 K4096)."""
+def _gpt_oss_case(shape: str, m: int):
+    """(x, e4m3 weights, scales, bias) on the GPU at a gpt-oss-120b layer shape."""
     n, k = {"qkv": (5120, 2880), "o": (2880, 4096)}[shape]
     g = torch.Generator(device="cuda").manual_seed(m)
     w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
     x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
     b = (torch.randn(n, generator=g, device="cuda") * 0.02).bfloat16()
     q, s = D.fp8_per_channel_quantize(w)
+    return x, q, s, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qkv", "o"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_dense_fma_gpt_oss_120b_shapes(shape, m):
+    """FMA vs MMA vs the fp32 reference at gpt-oss-120b shapes (qkv N5120 K2880, o N2880 K4096)."""
+    x, q, s, b = _gpt_oss_case(shape, m)
     ref = D.dense_fp8_linear_torch(x, q, s, b)
     fma = D.dense_fp8_linear(x, q, s, b, path="fma")
     mma = D.dense_fp8_linear(x, q, s, b, path="mma")
@@ -259,12 +265,8 @@ def test_dense_w8a8_path_gpt_oss_120b_shapes(shape, m, monkeypatch):
     """vLLM's W8A8 GEMM on our e4m3 weights: kernel error against the product of the per-token
     e4m3 activations and the dequantized weights; its W8A8 error against the W8A16 reference is
     printed (the price of quantizing activations). Auto takes it only when the env says so."""
-    n, k = {"qkv": (5120, 2880), "o": (2880, 4096)}[shape]
-    g = torch.Generator(device="cuda").manual_seed(m)
-    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
-    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-    b = (torch.randn(n, generator=g, device="cuda") * 0.02).bfloat16()
-    q, s = D.fp8_per_channel_quantize(w)
+    x, q, s, b = _gpt_oss_case(shape, m)
+    n, k = q.shape
     if D.w8a8_unsupported_reason(x, n, k):
         pytest.skip(D.w8a8_unsupported_reason(x, n, k))
     out = D.dense_fp8_linear(x, q, s, b, path="w8a8")

@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 import torch
-from helpers import greedy_agreement, logprob_gap
+from helpers import greedy_agreement, logprob_gap, run_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -47,35 +47,16 @@ def checkpoint(tmp_path_factory):
 
 
 def _run(checkpoint, backend, prompts, *, graphs=False, gen=0, fault=None, kv_cache_dtype="auto", moe="upstream"):
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    # As `vllm serve` does: engine and workers are spawned, and load the plugin by entry point.
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    from vllm import LLM, SamplingParams
-
     # moe: the attention checks pin vLLM's MoE ("upstream") so they measure attention alone;
-    # the MoE test switches it. graphs: a cudagraph_mode name (FULL, or vLLM's default FULL_AND_PIECEWISE), small capture sizes
-    kw = dict(compilation_config={"cudagraph_mode": graphs, "max_cudagraph_capture_size": 8}) if graphs \
-        else dict(enforce_eager=True)
+    # the MoE test switches it. graphs: a cudagraph_mode name (FULL, or vLLM's default
+    # FULL_AND_PIECEWISE), small capture sizes.
     if fault:
         os.environ["VLLM_SM121_FAULT"] = fault  # read by the spawned workers
-    llm = LLM(model=checkpoint, skip_tokenizer_init=True, attention_backend=backend, max_model_len=4096,
-              max_num_batched_tokens=256, gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0,
-              kv_cache_dtype=kv_cache_dtype, additional_config={"sm121": {"moe": moe}}, **kw)
-    os.environ.pop("VLLM_SM121_FAULT", None)
     try:
-        sp = SamplingParams(max_tokens=max(gen, 1), prompt_logprobs=0, logprobs=0, temperature=0.0,
-                            ignore_eos=True, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        prompt_lp = [torch.tensor([d[t].logprob for d, t in zip((o.prompt_logprobs or [None])[1:], p[1:])])
-                     for o, p in zip(outs, prompts)]
-        gen_ids = [list(o.outputs[0].token_ids) for o in outs]
-        gen_lp = [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, ids)])
-                  for o, ids in zip(outs, gen_ids)]
-        return prompt_lp, gen_ids, gen_lp
+        return run_engine(prompts, gen=gen, graphs=graphs, model=checkpoint, attention_backend=backend,
+                          kv_cache_dtype=kv_cache_dtype, additional_config={"sm121": {"moe": moe}})
     finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        os.environ.pop("VLLM_SM121_FAULT", None)
 
 
 _diffs = logprob_gap

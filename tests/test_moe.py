@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_moe_block import random_moe_weights
 
 from vllm_sm121.kernels.moe import dequant_mxfp4_torch, moe_fc1_swiglu, moe_fc1_swiglu_torch
 from vllm_sm121.kernels.norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
@@ -82,12 +83,7 @@ def test_decode_moe_chain_close_to_unquantized_activations(device):
     x = torch.randn(m, hidden, generator=g).bfloat16()
     res = torch.randn(m, hidden, generator=g).bfloat16()
     norm_w = torch.ones(hidden).bfloat16()
-    w13 = torch.randint(0, 256, (e, 2 * i, hidden // 2), generator=g, dtype=torch.uint8)
-    w13_s = torch.randint(117, 120, (e, 2 * i, hidden // 32), generator=g, dtype=torch.uint8)
-    b13 = (torch.randn(e, 2 * i, generator=g) * 0.1).bfloat16()
-    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
-    w2_s = torch.randint(117, 120, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
-    b2 = (torch.randn(e, hidden, generator=g) * 0.1).bfloat16()
+    w13, w13_s, b13, w2, w2_s, b2 = random_moe_weights(e, hidden, i, g, exp=(117, 120), bias_std=0.1)
     topk_ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).int()
     topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
     dev = lambda t: t.to(device)  # noqa: E731

@@ -41,6 +41,19 @@ def make_moe_config(c: Case):
                           has_bias=True)
 
 
+def random_moe_weights(e: int, hidden: int, inter: int, g: torch.Generator, exp: tuple[int, int] = (118, 122),
+                       bias_std: float = 0.5):
+    """(w13, w13_scale, w13_bias, w2, w2_scale, w2_bias) in the checkpoint layout: random e2m1 bytes
+    (every code), e8m0 exponents in [exp[0], exp[1]), bf16 biases N(0, bias_std)."""
+    w13 = torch.randint(0, 256, (e, 2 * inter, hidden // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(*exp, (e, 2 * inter, hidden // 32), generator=g, dtype=torch.uint8)
+    b13 = (torch.randn(e, 2 * inter, generator=g) * bias_std).bfloat16()
+    w2 = torch.randint(0, 256, (e, hidden, inter // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(*exp, (e, hidden, inter // 32), generator=g, dtype=torch.uint8)
+    b2 = (torch.randn(e, hidden, generator=g) * bias_std).bfloat16()
+    return w13, s13, b13, w2, s2, b2
+
+
 def fill_random_mxfp4_(layer: torch.nn.Module, seed: int, base_exp: int = 118) -> None:
     """What ``--load-format dummy`` does not do: random valid e2m1 codes (both nibbles, every code)
     and e8m0 scales 2**-9..2**-6 (weights ~0.01-0.1), biases N(0, 0.25)."""

@@ -12,7 +12,7 @@ block's output up to the bf16 rounding of each share, on every path (fma, decode
 
 import pytest
 import torch
-from test_moe_block import rel_l2
+from test_moe_block import random_moe_weights, rel_l2
 
 from vllm_sm121.kernels import moe as K
 
@@ -20,14 +20,7 @@ H, I, E, TOPK = 64, 192, 8, 4  # I = 192: a TP=2 shard of 96 pads to 128 (as 144
 
 
 def _full(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
-    s13 = torch.randint(118, 122, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).bfloat16()
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8)
-    s2 = torch.randint(118, 122, (E, H, I // 32), generator=g, dtype=torch.uint8)
-    b2 = (torch.randn(E, H, generator=g) * 0.5).bfloat16()
-    return w13, s13, b13, w2, s2, b2
+    return random_moe_weights(E, H, I, torch.Generator().manual_seed(seed))
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -24,12 +24,9 @@ spread + 1e-3), teacher-forced prompt logprobs:
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 import torch
-from helpers import logprob_gap
+from helpers import logprob_gap, run_engine
 from test_e2e_gpu import PROMPT_LENS, _prompts, _within, _write
 
 pytestmark = [pytest.mark.gpu,
@@ -43,28 +40,8 @@ MOE = dict(additional_config={"sm121": {"moe": "mxfp8"}})
 
 def _run(ckpt, prompts, *, tp=1, ep=False, graphs=False, gen=0, chunk=256, **kw):
     """(prompt logprobs, generated ids, generated logprobs) of one engine; TP workers are spawned."""
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    from vllm import LLM, SamplingParams
-
-    mode = dict(compilation_config={"cudagraph_mode": graphs, "max_cudagraph_capture_size": 8}) if graphs \
-        else dict(enforce_eager=True)
-    llm = LLM(model=ckpt, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=chunk,
-              gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0, tensor_parallel_size=tp,
-              enable_expert_parallel=ep, **mode, **kw)
-    try:
-        sp = SamplingParams(max_tokens=max(gen, 1), prompt_logprobs=0, logprobs=0, temperature=0.0,
-                            ignore_eos=True, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        prompt_lp = [torch.tensor([d[t].logprob for d, t in zip((o.prompt_logprobs or [None])[1:], p[1:])])
-                     for o, p in zip(outs, prompts)]
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-        gen_lp = [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, i)]) for o, i in zip(outs, ids)]
-        return prompt_lp, ids, gen_lp
-    finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+    return run_engine(prompts, gen=gen, graphs=graphs, model=ckpt, max_num_batched_tokens=chunk,
+                      tensor_parallel_size=tp, enable_expert_parallel=ep, **kw)
 
 
 @pytest.fixture(scope="module")
