@@ -16,7 +16,7 @@ from test_moe_block import random_moe_weights, rel_l2
 
 from vllm_sm121.kernels import moe as K
 
-H, I, E, TOPK = 64, 192, 8, 4  # I = 192: a TP=2 shard of 96 pads to 128 (as 1440 -> 1472 for gpt-oss-120b)
+H, I, E, TOPK = 64, 192, 8, 4  # I = 192: a TP=2 shard of 96 pads to 128 (as 1440 -> 1472 for gpt-oss-120b); TP=4 cuts 64/64/64/0
 
 
 def _full(seed: int):
@@ -30,14 +30,16 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def tp_shards(weights, tp: int, align: int = 64):
-    """Rank r's (w13, s13, b13, w2, s2, b2): intermediate rows [r*I/tp, (r+1)*I/tp) of the gate/up
-    pairs and the matching w2 columns, padded with zeros to a multiple of ``align``."""
+    """Rank r's (w13, s13, b13, w2, s2, b2) as vLLM's gpt-oss loader cuts them: whole MXFP4 blocks,
+    cdiv(I / 32, tp) of them per rank (the last rank gets what is left, maybe nothing), gate/up
+    pairs and the matching w2 columns, zero-padded to ``Sm121Mxfp4MoEMethod.maybe_roundup_sizes``'s
+    size (I / tp rounded up to ``align``)."""
     w13, s13, b13, w2, s2, b2 = weights
-    per = I // tp
-    assert per % 32 == 0
-    pad = -(-per // align) * align
+    per = -(-(I // 32) // tp) * 32
+    pad = -(-(I // tp) // align) * align
+    assert per <= pad
     for r in range(tp):
-        a, b = r * per, (r + 1) * per
+        a, b = min(r * per, I), min((r + 1) * per, I)
         yield (_pad(w13[:, 2 * a:2 * b], 1, 2 * pad), _pad(s13[:, 2 * a:2 * b], 1, 2 * pad),
                _pad(b13[:, 2 * a:2 * b], 1, 2 * pad), _pad(w2[:, :, a // 2:b // 2], 2, pad // 2),
                _pad(s2[:, :, a // 32:b // 32], 2, pad // 32),
@@ -74,23 +76,24 @@ def test_expert_map_routing_matches_reference(device):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("path", ["fma", "decode", "grouped"])
-@pytest.mark.parametrize("kind", ["tp", "ep"])
+@pytest.mark.parametrize("kind", ["tp", "ep", "tp4"])
 def test_rank_shares_sum_to_the_unsharded_block(device, path, kind):
     m = 3
     weights = _full(seed=2)
     x, logits = _inputs(m, seed=3)
     full = K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in weights], TOPK, path=path)
     shares = []
-    if kind == "tp":
-        for shard in tp_shards(weights, 2):
-            assert shard[3].shape[2] * 2 == 128  # the 96-wide shard was padded
+    if kind.startswith("tp"):
+        tp = 4 if kind == "tp4" else 2
+        for shard in tp_shards(weights, tp):  # TP=2: 96 -> 128 columns; TP=4: 64, 64, 64, 0 -> 64
+            assert shard[3].shape[2] * 2 == (128 if tp == 2 else 64)
             shares.append(K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in shard], TOPK,
                                       path=path))
     else:
         for shard, emap in ep_shards(weights, 2):
             shares.append(K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in shard], TOPK,
                                       path=path, expert_map=emap.to(device)))
-    total = shares[0].float() + shares[1].float()
+    total = torch.stack([t.float() for t in shares]).sum(0)
     ref = K.moe_block_torch(x, logits, *weights, TOPK)
     err, ref_err = rel_l2(total.cpu(), full.float().cpu()), rel_l2(full.float().cpu(), ref)
     print(f"\n{kind} {path}: sum of shares vs unsharded {err:.2e} (unsharded vs reference {ref_err:.2e})")
@@ -106,4 +109,5 @@ def test_roundup_pads_the_shard_to_64():
     method = Sm121Mxfp4MoEMethod(make_moe_config(Case(1, 64, 64, 4, 2)))
     par = method.moe.moe_parallel_config
     assert method.maybe_roundup_sizes(2880, 1440, torch.bfloat16, par) == (2880, 1472)
+    assert method.maybe_roundup_sizes(2880, 720, torch.bfloat16, par) == (2880, 768)  # TP=4: loader gives <= 736
     assert method.maybe_roundup_sizes(2880, 2880, torch.bfloat16, par) == (2880, 2880)

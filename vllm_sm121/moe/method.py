@@ -20,9 +20,11 @@ Constraints
 Parallelism
     Tensor parallel: each rank holds an intermediate shard as vLLM's gpt-oss loader cuts it
     (whole MXFP4 blocks; ``w2_bias`` on rank 0 only). ``maybe_roundup_sizes`` pads the shard to a
-    multiple of 64 (gpt-oss-120b at TP=2: 1440 -> 1472, as upstream's Triton backend does); the
-    loader copies the checkpoint into the leading rows/columns and the padding stays zero, which
-    the SwiGLU maps to 0 and FC2 multiplies by zero weights, so it adds nothing. Expert parallel:
+    multiple of 64 (gpt-oss-120b at TP=2: 1440 -> 1472, at TP=4: 720 -> 768, as upstream's Triton
+    backend does). vLLM's loader gives each rank whole MXFP4 blocks (at TP=4: 736 columns to ranks
+    0-2 and 672 to rank 3), never more than that padded size, and copies them into the leading
+    rows/columns; the rest stays zero, which the SwiGLU maps to 0 and FC2 multiplies by zero
+    weights, so it adds nothing. Expert parallel:
     the rank holds its experts and ``layer.expert_map`` routes (``kernels.moe.moe_route``).
     Either way ``moe_block`` returns the rank's share and vLLM's MoE runner (or the fused hook,
     ``hook.py``) all-reduces it. EPLB is refused (expert maps would change under the kernels).
@@ -47,7 +49,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import (
 
 from . import resolve_moe
 
-_ALIGN = 64  # hidden and per-rank intermediate sizes must be multiples of this (kernel tiles)
+_ALIGN = 64  # hidden and (padded) per-rank intermediate sizes are multiples of this (kernel tiles)
 
 
 def unsupported_reason(layer: torch.nn.Module) -> str | None:
@@ -62,9 +64,9 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
          or getattr(layer, "e_score_correction_bias", None) is not None,
          "routing other than softmax top-k renormalized"),
         (getattr(layer, "apply_router_weight_on_input", False), "router weight applied on the input"),
-        (moe.hidden_dim % _ALIGN or moe.intermediate_size_per_partition % 32,
-         (f"hidden {moe.hidden_dim} / intermediate per rank {moe.intermediate_size_per_partition} "
-         f"not multiples of {_ALIGN} / 32")),
+        # The per-rank intermediate size needs no check: maybe_roundup_sizes pads it to a multiple
+        # of 64, which is >= the whole MXFP4 blocks vLLM's loader gives any rank.
+        (moe.hidden_dim % _ALIGN, f"hidden {moe.hidden_dim} not a multiple of {_ALIGN}"),
     )
     for bad, what in checks:
         if bad:
