@@ -26,6 +26,14 @@ Method
     list (1 = routing only, 2 = routing + a standalone quantization). The "kernels" list holds
     every device activity the profiler records, device copies and memsets included.
 
+Host-time scopes (``--scopes``; issue 7's stage 0, docs/design-whole-model-graph.md): where the
+host's time per decode step goes. Before profiling, two more generations (the same short / long
+pair) run WITHOUT the profiler while the methods in SCOPES are wrapped with wall-clock timers;
+per step = (time(long) - time(short)) / --steps for each, inclusive of the scopes nested inside
+it (e.g. execute_model contains _prepare_inputs and _model_forward). Host time, not GPU time:
+kernels run asynchronously, except where a scope waits for the GPU (``AsyncGPUModelRunnerOutput
+.get_output`` synchronizes on the output copy), which the table says.
+
 Output: a table, and JSON (--out) with the header (device, versions, commit), the LLM kwargs
 and the per-step counts.
 """
@@ -52,6 +60,77 @@ API_GROUPS = (  # (group, predicate on the API name), first match wins
     ("memsets", lambda n: "Memset" in n),
 )
 BACKENDS = ("SM121", "TRITON_ATTN", "FLASH_ATTN", "default")
+# (label, module, class, method): the host-side pieces of one vLLM 0.26 decode step, engine loop
+# to front end (docs/design-whole-model-graph.md section 1). "waits" marks a GPU synchronization.
+SCOPES = (
+    # EngineCore binds step_fn at construction, so the iteration is timed where the in-process
+    # client calls it (step_fn + post_step).
+    ("engine iteration (InprocClient.get_output)", "vllm.v1.engine.core_client", "InprocClient", "get_output"),
+    ("  scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("  runner.execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("    _update_states", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
+    ("    _prepare_inputs", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
+    ("    _build_attention_metadata", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+     "_build_attention_metadata"),
+    ("    _model_forward (graph replay)", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("  runner.sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("    _sample", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
+    ("    _bookkeeping_sync", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
+    ("  output.get_output (waits for the GPU)", "vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput",
+     "get_output"),
+    ("  scheduler.update_from_output", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("front end: output_processor.process_outputs", "vllm.v1.engine.output_processor", "OutputProcessor",
+     "process_outputs"),
+)
+
+
+class ScopeTimers:
+    """Wall-clock time and calls of class methods, by wrapping them on their classes (every
+    instance, subclasses that do not override them included) until ``restore``."""
+
+    def __init__(self, scopes, clock=None):
+        import importlib
+        import time
+
+        self.clock = clock or time.perf_counter
+        self.seconds = collections.Counter()
+        self.calls = collections.Counter()
+        self._saved = []
+        for label, module, cls_name, method in scopes:
+            cls = getattr(importlib.import_module(module), cls_name)
+            orig = cls.__dict__.get(method)
+            if orig is None:
+                raise AttributeError(f"{module}.{cls_name}.{method} does not exist in this vLLM (scope {label!r})")
+            self._saved.append((cls, method, orig))
+            setattr(cls, method, self._wrap(label, orig))
+
+    def _wrap(self, label, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0 = self.clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds[label] += self.clock() - t0
+                self.calls[label] += 1
+        return timed
+
+    def snapshot(self) -> tuple[collections.Counter, collections.Counter]:
+        return collections.Counter(self.seconds), collections.Counter(self.calls)
+
+    def restore(self) -> None:
+        for cls, method, orig in reversed(self._saved):
+            setattr(cls, method, orig)
+        self._saved.clear()
+
+
+def scope_table(short, long, steps: int, labels) -> list[dict]:
+    """Per decode step: ms and calls of each scope, from two (seconds, calls) snapshots."""
+    (s_sec, s_calls), (l_sec, l_calls) = short, long
+    return [{"scope": lab, "ms_per_step": (l_sec[lab] - s_sec[lab]) / steps * 1e3,
+             "calls_per_step": (l_calls[lab] - s_calls[lab]) / steps} for lab in labels]
 
 
 def api_group(name: str) -> str:
@@ -122,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=40, help="kernels printed (default 40)")
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--dry-run", action="store_true", help="print the LLM kwargs and exit (no GPU needed)")
+    ap.add_argument("--scopes", action="store_true",
+                    help="also time the host-side pieces of a decode step (SCOPES), without the profiler")
     args = ap.parse_args(argv)
     for name in ("steps", "capture_size", "top"):
         if getattr(args, name) < 1:
@@ -162,6 +243,22 @@ def main(argv=None) -> int:
 
     generate(8)
     generate(2 + args.steps)
+    scopes = None
+    if args.scopes:
+        timers = ScopeTimers(SCOPES)
+        try:
+            snaps = []
+            for n in (2, 2 + args.steps):
+                before = timers.snapshot()
+                t0 = timers.clock()
+                generate(n)
+                wall = timers.clock() - t0
+                after = timers.snapshot()
+                snaps.append(((after[0] - before[0]) + collections.Counter({"generate (wall)": wall}),
+                              after[1] - before[1] + collections.Counter({"generate (wall)": 1})))
+        finally:
+            timers.restore()
+        scopes = scope_table(snaps[0], snaps[1], args.steps, ["generate (wall)"] + [s[0] for s in SCOPES])
     counts = []
     for n in (2, 2 + args.steps):
         torch.cuda.synchronize()
@@ -190,6 +287,11 @@ def main(argv=None) -> int:
     for name, v in list(res["kernels_per_step"].items())[: args.top]:
         print(f"  {v:8.2f}  {v / layers:6.2f}  {name[:110]}")
     print(f"\nstandalone quantization kernels: {res['standalone_quant_kernels'] or 'none'}")
+    if scopes is not None:
+        print("\nhost time per decode step (inclusive; unprofiled runs)")
+        for row in scopes:
+            print(f"  {row['scope']:<46} {row['ms_per_step']:8.3f} ms  {row['calls_per_step']:6.2f} calls")
+        res["host_scopes_per_step"] = scopes
     out = {"header": {"device": torch.cuda.get_device_name(), "commit": git_info(),
                       "versions": {k: _version(k) for k in ("vllm", "torch", "triton", "vllm-sm121")}},
            "llm_kwargs": kw, "env": env, "layers": layers, "steps": args.steps, **res}

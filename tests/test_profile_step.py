@@ -52,3 +52,39 @@ def test_dry_run_prints_kwargs_and_bad_input():
             P.main(["--dry-run", *bad])
     with pytest.raises(SystemExit):
         P.main(["--dry-run", "--model", str(REPO)])
+
+
+def test_scope_timers_wrap_measure_and_restore():
+    class Runner:
+        def work(self, x):
+            return x + 1
+
+    mod = type(sys)("fake_runner_mod")
+    mod.Runner = Runner
+    sys.modules["fake_runner_mod"] = mod
+    ticks = iter(range(100))
+    try:
+        orig = Runner.__dict__["work"]
+        timers = P.ScopeTimers([("work", "fake_runner_mod", "Runner", "work")], clock=lambda: next(ticks))
+        before = timers.snapshot()
+        assert Runner().work(1) == 2 and Runner().work(2) == 3
+        after = timers.snapshot()
+        assert after[1]["work"] == 2 and after[0]["work"] == 2  # two calls, one fake tick each
+        rows = P.scope_table(before, after, 2, ["work", "absent"])
+        assert rows == [{"scope": "work", "ms_per_step": 1000.0, "calls_per_step": 1.0},
+                        {"scope": "absent", "ms_per_step": 0.0, "calls_per_step": 0.0}]
+        timers.restore()
+        assert Runner.__dict__["work"] is orig
+        with pytest.raises(AttributeError, match="fake_runner_mod.Runner.missing does not exist"):
+            P.ScopeTimers([("x", "fake_runner_mod", "Runner", "missing")])
+    finally:
+        del sys.modules["fake_runner_mod"]
+
+
+def test_every_scope_exists_in_the_installed_vllm():
+    """The scopes name vLLM 0.26 internals: a rename would otherwise time nothing, silently."""
+    import importlib
+
+    for label, module, cls_name, method in P.SCOPES:
+        cls = getattr(importlib.import_module(module), cls_name)
+        assert method in cls.__dict__, (label, module, cls_name, method)
