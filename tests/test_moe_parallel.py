@@ -111,3 +111,36 @@ def test_roundup_pads_the_shard_to_64():
     assert method.maybe_roundup_sizes(2880, 1440, torch.bfloat16, par) == (2880, 1472)
     assert method.maybe_roundup_sizes(2880, 720, torch.bfloat16, par) == (2880, 768)  # TP=4: loader gives <= 736
     assert method.maybe_roundup_sizes(2880, 2880, torch.bfloat16, par) == (2880, 2880)
+
+
+@pytest.mark.interpreter
+def test_method_routes_through_vllms_expert_map_under_ep(device):
+    """``Sm121Mxfp4MoEMethod`` on an EP rank: it passes the layer's ``expert_map`` to the kernels
+    (its output is that rank's share), validates the map once after loading, and refuses EPLB."""
+    import dataclasses
+    import types
+
+    from test_moe_block import Case, build_layer, make_moe_config
+
+    from vllm_sm121.moe.method import local_expert_map, unsupported_reason
+
+    c = Case(3, 64, 64, 4, 2)
+    method, layer = build_layer(c, device, seed=4)
+    assert local_expert_map(layer) is None  # no EP: global ids
+    x, logits = (torch.randn(c.m, c.hidden).bfloat16().to(device), torch.randn(c.m, 8).bfloat16().to(device))
+    emap = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3], dtype=torch.int32, device=device)  # rank 1 of 2, 8 experts
+    par = layer.moe_config.moe_parallel_config
+    layer.moe_config.moe_parallel_config = dataclasses.replace(par, use_ep=True, ep_size=2, ep_rank=1)
+    method.moe.num_experts = 8
+    layer.expert_map = emap
+    method.process_weights_after_loading(layer)
+    out = method.apply_monolithic(layer, x, logits)
+    ref = K.moe_block(x, logits, layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight,
+                      layer.w2_weight_scale, layer.w2_bias, c.topk, expert_map=emap)
+    assert torch.equal(out, ref)
+    layer.expert_map = emap.long()
+    with pytest.raises(ValueError, match="expert_map: expected int32"):
+        method.process_weights_after_loading(layer)
+    eplb = make_moe_config(c)
+    eplb.moe_parallel_config = dataclasses.replace(eplb.moe_parallel_config, enable_eplb=True)
+    assert unsupported_reason(types.SimpleNamespace(moe_config=eplb)) == "EPLB (expert load balancing)"
