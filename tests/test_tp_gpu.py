@@ -16,10 +16,15 @@ spread + 1e-3), teacher-forced prompt logprobs:
   FLASH_ATTN show when both run the plugin's MoE at TP=1. Quantized activations turn a tiny input
   difference into whole-step code flips now and then, so a quantized configuration's spread is
   wider than the bf16 one; it is measured in the same configuration, not assumed;
-* everything on (nvfp4 KV, FP8 dense) at TP=2 / EP=2 vs TP=1: reported with a sanity bound (no
-  upstream backend reads nvfp4 on sm_90 to measure that configuration's spread);
-* FULL_AND_PIECEWISE graphs at TP=2 decode; their sampled tokens, scored by teacher forcing at
-  TP=2 eager, agree with the graphs' own logprobs within the bf16 spread.
+* FULL_AND_PIECEWISE graphs at TP=2 (SM121 + the plugin's MoE): sampled tokens scored by TP=2
+  eager teacher forcing, within that MoE spread;
+* everything on (nvfp4 KV, FP8 dense) at TP=2 / EP=2 vs TP=1: reported with a sanity bound, next
+  to the configuration's own spread measured as prefill chunks 512 vs 256 (no upstream backend
+  reads nvfp4 on sm_90).
+
+Engines per test (each ~35-60 s on an H100 pair): fixtures ``upstream`` 2 and ``moe_spread`` 2;
+attention 1, MoE 3, graphs 2, upstream chunks 1, each nvfp4 case 4. Select with ``-k`` (gpu_session
+``TP_K``) to fit a 10-minute call.
 """
 
 from __future__ import annotations
@@ -76,55 +81,74 @@ def test_sm121_attention_at_tp2_within_upstream_spread(ckpt, upstream):
     assert _within(gap, spread), (gap, spread)
 
 
-def test_moe_at_tp2_and_ep2_within_upstream_spread(ckpt):
-    """The plugin's MXFP4 x MXFP8 MoE at TP=2 (intermediate shards padded 1440 -> 1472) and EP=2
-    (4 experts per rank, expert_map routing) against itself at TP=1, with the spread of two
-    upstream attention backends running the same MoE at TP=1 (MXFP8 activations re-round any
-    upstream difference, so this is the spread of that configuration)."""
+@pytest.fixture(scope="module")
+def moe_spread(ckpt):
+    """The spread of two upstream attention backends (TRITON_ATTN, FLASH_ATTN) when both run the
+    plugin's MoE at TP=1: MXFP8 activations re-round any upstream difference, so this is the
+    run-to-run spread of that configuration (about twice the bf16 one on an H100 pair)."""
     prompts = _prompts(PROMPT_LENS)
     triton = _run(ckpt, prompts, attention_backend="TRITON_ATTN", **MOE)[0]
-    spread = logprob_gap(_run(ckpt, prompts, attention_backend="FLASH_ATTN", **MOE)[0], triton)
+    return logprob_gap(_run(ckpt, prompts, attention_backend="FLASH_ATTN", **MOE)[0], triton)
+
+
+def test_moe_at_tp2_and_ep2_within_upstream_spread(ckpt, moe_spread):
+    """The plugin's MXFP4 x MXFP8 MoE at TP=2 (intermediate shards padded 1440 -> 1472) and EP=2
+    (4 experts per rank, expert_map routing) against itself at TP=1, within ``moe_spread``."""
+    prompts = _prompts(PROMPT_LENS)
     tp1 = _run(ckpt, prompts, attention_backend="SM121", **MOE)[0]
     for name, kw in (("TP=2", dict(tp=2)), ("EP=2", dict(tp=2, ep=True))):
         gap = logprob_gap(_run(ckpt, prompts, attention_backend="SM121", **kw, **MOE)[0], tp1)
-        _say(f"SM121 + MXFP8 MoE {name} vs TP=1", gap, spread)
-        assert _within(gap, spread), (name, gap, spread)
+        _say(f"SM121 + MXFP8 MoE {name} vs TP=1", gap, moe_spread)
+        assert _within(gap, moe_spread), (name, gap, moe_spread)
 
 
-def test_nvfp4_and_fp8_dense_at_tp2_reported(ckpt, upstream):
-    """Everything on (nvfp4 KV, MXFP8 MoE, FP8 dense) at TP=2 / EP=2 vs TP=1: reported with a
+def test_tp2_full_graphs_decode(ckpt, moe_spread):
+    """SM121 + the plugin's MoE (bf16 KV) decoding under FULL_AND_PIECEWISE graphs at TP=2 (the
+    MoE hook's all-reduce and the attention inside each rank's graphs): the sampled tokens'
+    logprobs against TP=2 eager teacher forcing of the same sequences, within ``moe_spread``."""
+    prompts = _prompts()
+    cfg = dict(attention_backend="SM121", **MOE)
+    _, ids, graph_lp = _run(ckpt, prompts, tp=2, graphs="FULL_AND_PIECEWISE", gen=16, **cfg)
+    seqs = [p + i for p, i in zip(prompts, ids)]
+    scored = _run(ckpt, seqs, tp=2, **cfg)[0]
+    forced = [s[len(p) - 1:] for s, p in zip(scored, prompts)]  # logprobs of the generated tokens
+    gap = logprob_gap(graph_lp, forced)
+    _say("SM121 + MXFP8 MoE, TP=2 FULL_AND_PIECEWISE decode vs TP=2 eager teacher-forced", gap, moe_spread)
+    assert all(len(i) == 16 for i in ids)
+    assert _within(gap, moe_spread), (gap, moe_spread)
+
+
+def test_upstream_chunk_size_spread_reported(ckpt, upstream):
+    """The same TRITON_ATTN engine with 512- instead of 256-token prefill chunks: the measure the
+    nvfp4 test uses for its own spread, next to the FLASH_ATTN-vs-TRITON_ATTN spread."""
+    chunked = logprob_gap(_run(ckpt, _prompts(PROMPT_LENS), chunk=512, attention_backend="TRITON_ATTN",
+                               **UPSTREAM)[0], upstream[0])
+    _say("upstream TRITON_ATTN, prefill chunks 512 vs 256 (TP=1)", chunked, upstream[1])
+    assert chunked[0] < 0.25 * torch.cat(upstream[0]).std().item()
+
+
+NVFP4_CONFIGS = {"nvfp4-kv": PLUGIN,
+                 "nvfp4-kv-fp8-dense": dict(PLUGIN, additional_config={"sm121": {"moe": "mxfp8",
+                                                                                  "dense_weights": "fp8"}})}
+
+
+@pytest.mark.parametrize("what", list(NVFP4_CONFIGS))
+def test_nvfp4_at_tp2_reported(ckpt, upstream, what):
+    """Everything on (nvfp4 KV, MXFP8 MoE, and FP8 dense) at TP=2 / EP=2 vs TP=1: reported with a
     sanity bound. Each rank calibrates nvfp4 scales on its heads (powers of two: the same cache
     values) and quantizes its o_proj shard with its own scales (not TP=1's).
 
     No upstream backend reads nvfp4 on sm_90, so the configuration's own run-to-run spread is
     measured the one way available: the same TP=1 engine with prefill chunks of 512 instead of 256
-    tokens (another, equally correct, reduction order), printed next to the same measure for
-    upstream TRITON_ATTN (to compare it with the FLASH_ATTN-vs-TRITON_ATTN spread)."""
+    tokens (another, equally correct, reduction order; the upstream equivalent is
+    ``test_upstream_chunk_size_spread_reported``)."""
     prompts = _prompts(PROMPT_LENS)
     signal = torch.cat(upstream[0]).std().item()
-    chunked = logprob_gap(_run(ckpt, prompts, chunk=512, attention_backend="TRITON_ATTN", **UPSTREAM)[0],
-                          upstream[0])
-    _say("upstream TRITON_ATTN, prefill chunks 512 vs 256 (TP=1)", chunked, upstream[1])
-    for what, kw in (("nvfp4 KV + MXFP8 MoE", PLUGIN),
-                     ("nvfp4 KV + MXFP8 MoE + FP8 dense",
-                      dict(PLUGIN, additional_config={"sm121": {"moe": "mxfp8", "dense_weights": "fp8"}}))):
-        tp1 = _run(ckpt, prompts, **kw)[0]
-        own = logprob_gap(_run(ckpt, prompts, chunk=512, **kw)[0], tp1)
-        _say(f"{what}, prefill chunks 512 vs 256 (TP=1): this configuration's own spread", own, upstream[1])
-        for name, par in (("TP=2", dict(tp=2)), ("EP=2", dict(tp=2, ep=True))):
-            gap = logprob_gap(_run(ckpt, prompts, **par, **kw)[0], tp1)
-            _say(f"{what} {name} vs TP=1 (reported)", gap, upstream[1])
-            assert gap[0] < 0.25 * signal, (what, name, gap)
-
-
-def test_tp2_full_graphs_decode(ckpt, upstream):
-    prompts = _prompts()
-    _, ids, graph_lp = _run(ckpt, prompts, tp=2, graphs="FULL_AND_PIECEWISE", gen=16, **PLUGIN)
-    seqs = [p + i for p, i in zip(prompts, ids)]
-    scored = _run(ckpt, seqs, tp=2, **PLUGIN)[0]
-    forced = [s[len(p) - 1:] for s, p in zip(scored, prompts)]  # logprobs of the generated tokens
-    spread = upstream[1]
-    gap = logprob_gap(graph_lp, forced)
-    _say("plugin TP=2 FULL_AND_PIECEWISE decode vs TP=2 eager teacher-forced", gap, spread)
-    assert all(len(i) == 16 for i in ids)
-    assert _within(gap, spread), (gap, spread)
+    kw = NVFP4_CONFIGS[what]
+    tp1 = _run(ckpt, prompts, **kw)[0]
+    own = logprob_gap(_run(ckpt, prompts, chunk=512, **kw)[0], tp1)
+    _say(f"{what}, prefill chunks 512 vs 256 (TP=1): this configuration's own spread", own, upstream[1])
+    for name, par in (("TP=2", dict(tp=2)), ("EP=2", dict(tp=2, ep=True))):
+        gap = logprob_gap(_run(ckpt, prompts, **par, **kw)[0], tp1)
+        _say(f"{what} {name} vs TP=1 (reported)", gap, upstream[1])
+        assert gap[0] < 0.25 * signal, (what, name, gap)
