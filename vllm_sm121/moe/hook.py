@@ -38,7 +38,8 @@ Limitations
     The decision is taken at construction: later replacements of the experts' quant method
     (EPLB, MoE LoRA) are excluded by the checks above rather than detected. Gated with the rest of
     the MoE (``vllm_sm121.moe.READY``; ``$VLLM_SM121_MOE_EXPERIMENTAL=1`` opts in). Run on an H100
-    at bd8218e: gpt-oss-120b end to end and the decode-step profile (README).
+    at bd8218e: gpt-oss-120b end to end and the decode-step profile (README); at TP=2 and EP=2 on
+    two H100s at 8d2b6c6 (``tests/test_tp_gpu.py``, eager; under graphs at TP=2 not run yet).
 
 upstream file: ``vllm/model_executor/models/gpt_oss.py`` (``TransformerBlock``, ``MLPBlock``,
 ``GptOssModel.block_cls``).
