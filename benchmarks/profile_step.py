@@ -60,28 +60,36 @@ API_GROUPS = (  # (group, predicate on the API name), first match wins
     ("memsets", lambda n: "Memset" in n),
 )
 BACKENDS = ("SM121", "TRITON_ATTN", "FLASH_ATTN", "default")
-# (label, module, class, method): the host-side pieces of one vLLM 0.26 decode step, engine loop
-# to front end (docs/design-whole-model-graph.md section 1). "waits" marks a GPU synchronization.
-SCOPES = (
-    # EngineCore binds step_fn at construction, so the iteration is timed where the in-process
-    # client calls it (step_fn + post_step).
-    ("engine iteration (InprocClient.get_output)", "vllm.v1.engine.core_client", "InprocClient", "get_output"),
-    ("  scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
-    ("  runner.execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
-    ("    _update_states", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
-    ("    _prepare_inputs", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
-    ("    _build_attention_metadata", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-     "_build_attention_metadata"),
-    ("    _model_forward (graph replay)", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
-    ("  runner.sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
-    ("    _sample", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
-    ("    _bookkeeping_sync", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
-    ("  output.get_output (waits for the GPU)", "vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput",
-     "get_output"),
-    ("  scheduler.update_from_output", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
-    ("front end: output_processor.process_outputs", "vllm.v1.engine.output_processor", "OutputProcessor",
-     "process_outputs"),
-)
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+
+
+def _scope(label: str, target: str) -> tuple[str, str, str, str]:
+    """(label, module, class, method) from "module:Class.method"."""
+    module, qualname = target.split(":")
+    cls_name, method = qualname.split(".")
+    return label, module, cls_name, method
+
+
+# (label, "module:Class.method"): the host-side pieces of one vLLM 0.26 decode step, engine loop
+# to front end (docs/design-whole-model-graph.md section 1). EngineCore binds step_fn at
+# construction, so the iteration is timed where the in-process client calls it (step_fn +
+# post_step). "waits for the GPU" marks a synchronization.
+SCOPES = tuple(_scope(label, target) for label, target in (
+    ("engine iteration (InprocClient.get_output)", "vllm.v1.engine.core_client:InprocClient.get_output"),
+    ("  scheduler.schedule", f"{_SCHED}.schedule"),
+    ("  runner.execute_model", f"{_RUNNER}.execute_model"),
+    ("    _update_states", f"{_RUNNER}._update_states"),
+    ("    _prepare_inputs", f"{_RUNNER}._prepare_inputs"),
+    ("    _build_attention_metadata", f"{_RUNNER}._build_attention_metadata"),
+    ("    _model_forward (graph replay)", f"{_RUNNER}._model_forward"),
+    ("  runner.sample_tokens", f"{_RUNNER}.sample_tokens"),
+    ("    _sample", f"{_RUNNER}._sample"),
+    ("    _bookkeeping_sync", f"{_RUNNER}._bookkeeping_sync"),
+    ("  output.get_output (waits for the GPU)", "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.get_output"),
+    ("  scheduler.update_from_output", f"{_SCHED}.update_from_output"),
+    ("front end: output_processor.process_outputs", "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"),
+))
 
 
 class ScopeTimers:
