@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -72,3 +74,15 @@ def _dummy(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _DUMMY[device] = torch.empty(1, dtype=torch.float32, device=device)
     return t
+
+
+def env_int(name: str, default: int) -> int:
+    """Integer environment variable ``name`` (read now), ``default`` when unset or blank; any
+    other non-integer text is an error naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${name}={text!r}: expected an integer") from None

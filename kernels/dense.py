@@ -66,6 +66,7 @@ Limitations
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -186,16 +187,6 @@ def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
     return DenseFmaTiles.parse(env) if env else DENSE_FMA_TILES[_platform.family_of(t)]
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"${name}={text!r}: expected an integer") from None
-
-
 def select_path(m: int, n: int = 0) -> str:
     """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma",
     "w8a8" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
@@ -203,10 +194,10 @@ def select_path(m: int, n: int = 0) -> str:
     $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the FMA limit for every N;
     $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM.
     """
-    fma_max = _env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
+    fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
-    w8a8_min = _env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
+    w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
     return "w8a8" if 0 < w8a8_min <= m else "mma"
 
 
@@ -216,11 +207,17 @@ def w8a8_unsupported_reason(x: torch.Tensor, n: int, k: int) -> str | None:
         return f"it needs a CUDA device (vLLM's cutlass_scaled_mm), got {x.device}"
     if n % 16 or k % 16:
         return f"out_features={n} / in_features={k} must be multiples of 16"
+    return _w8a8_device_reason(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _w8a8_device_reason(device_index: int) -> str | None:
+    """The per-device part of ``w8a8_unsupported_reason``, asked once per device (not per call)."""
     try:
         from vllm import _custom_ops as ops
     except Exception as e:  # noqa: BLE001 - any import failure means the op is unavailable
         return f"vllm._custom_ops cannot be imported ({type(e).__name__}: {e})"
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = torch.cuda.get_device_capability(device_index)
     if not ops.cutlass_scaled_mm_supports_fp8(major * 10 + minor):
         return f"vLLM's cutlass_scaled_mm has no FP8 kernel for compute capability {major}.{minor}"
     return None

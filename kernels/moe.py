@@ -539,10 +539,8 @@ PATHS = ("auto", "fma", "decode", "grouped")
 
 def select_path(m: int) -> str:
     """The path ``moe_block(path="auto")`` takes for M tokens (from M alone: graph-capturable)."""
-    env = os.environ.get(FMA_MAX_TOKENS_ENV, "").strip()
-    fma_max = min(int(env) if env else FMA_MAX_TOKENS, FMA_KERNEL_MAX_TOKENS)
-    env = os.environ.get(FMA_CHUNK_MAX_TOKENS_ENV, "").strip()
-    chunk_max = int(env) if env else FMA_CHUNK_MAX_TOKENS
+    fma_max = min(V.env_int(FMA_MAX_TOKENS_ENV, FMA_MAX_TOKENS), FMA_KERNEL_MAX_TOKENS)
+    chunk_max = V.env_int(FMA_CHUNK_MAX_TOKENS_ENV, FMA_CHUNK_MAX_TOKENS)
     if m <= fma_max or (fma_max > 0 and m <= chunk_max):
         return "fma"
     return "decode" if m <= DECODE_MAX_TOKENS else "grouped"

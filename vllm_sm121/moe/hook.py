@@ -75,32 +75,16 @@ def _add_rmsnorm_mxfp8_fake(x: torch.Tensor, residual: torch.Tensor, weight: tor
 
 def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                        w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                       w2_bias: torch.Tensor, topk: int) -> torch.Tensor:
-    from vllm_sm121.kernels.moe import moe_block
-
-    return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
-                     x_scale=x_scale)
-
-
-def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                            w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                            w2_bias: torch.Tensor, topk: int) -> torch.Tensor:
-    return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
-
-
-def _gpt_oss_moe_mxfp8_ep(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                          w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                          w2_bias: torch.Tensor, expert_map: torch.Tensor, topk: int) -> torch.Tensor:
+                       w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     from vllm_sm121.kernels.moe import moe_block
 
     return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
                      x_scale=x_scale, expert_map=expert_map)
 
 
-def _gpt_oss_moe_mxfp8_ep_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor,
-                               w13: torch.Tensor, w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor,
-                               w2_scale: torch.Tensor, w2_bias: torch.Tensor, expert_map: torch.Tensor,
-                               topk: int) -> torch.Tensor:
+def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                            w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                            w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
 
 
@@ -110,8 +94,6 @@ def _register_ops() -> None:
     direct_register_custom_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, mutates_args=["residual"],
                               fake_impl=_add_rmsnorm_mxfp8_fake, target_lib=_lib)
     direct_register_custom_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, fake_impl=_gpt_oss_moe_mxfp8_fake,
-                              target_lib=_lib)
-    direct_register_custom_op("gpt_oss_moe_mxfp8_ep", _gpt_oss_moe_mxfp8_ep, fake_impl=_gpt_oss_moe_mxfp8_ep_fake,
                               target_lib=_lib)
 
 
@@ -123,18 +105,12 @@ def add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return torch.ops.sm121.add_rmsnorm_mxfp8(x, residual, weight, eps)
 
 
-def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias,
-                      topk: int) -> torch.Tensor:
-    """bf16 [T, H]: gpt-oss routed experts on MXFP8 activations (``kernels.moe.moe_block``)."""
+def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
+                      expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [T, H]: gpt-oss routed experts on MXFP8 activations (``kernels.moe.moe_block``); under
+    expert parallelism this rank's share (``expert_map`` int32 [E], global -> local or -1)."""
     return torch.ops.sm121.gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
-                                             w2_bias, topk)
-
-
-def gpt_oss_moe_mxfp8_ep(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, expert_map,
-                         topk: int) -> torch.Tensor:
-    """``gpt_oss_moe_mxfp8`` on this rank's experts (expert parallelism; ``expert_map`` int32 [E])."""
-    return torch.ops.sm121.gpt_oss_moe_mxfp8_ep(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
-                                                w2_bias, expert_map, topk)
+                                             w2_bias, topk, expert_map)
 
 
 # ---- the block -------------------------------------------------------------------------------
@@ -152,13 +128,8 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
     y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
     router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
-    emap = local_expert_map(e)
-    if emap is None:
-        out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
-                                e.w2_weight_scale, e.w2_bias, e.quant_method.topk)
-    else:
-        out = gpt_oss_moe_mxfp8_ep(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias,
-                                   e.w2_weight, e.w2_weight_scale, e.w2_bias, emap, e.quant_method.topk)
+    out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
+                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e))
     par = e.moe_config.moe_parallel_config
     if par.tp_size > 1 or par.ep_size > 1:  # each rank holds a share of the experts' sum
         from vllm.distributed import tensor_model_parallel_all_reduce
