@@ -1,18 +1,89 @@
 """Triton code for the MoE prefill path: grouped GEMMs over expert-sorted (token, slot) pairs
-(launchers and references: ``kernels/moe.py``).
+(launchers, tile table and references: ``kernels/moe.py``).
 
-Both kernels take the tile map that ``moe_align`` builds on the device (static shapes, no host
-sync): tile ``t`` covers sorted pairs ``tile_start[t] .. tile_end[t]`` (at most BLOCK_M, all of
-one expert ``tile_expert[t]``; empty tiles exit at once). MXFP4 weights are decoded to fp32 in
-registers and fed to ``tl.dot`` as bf16 (exact: e2m1 x 2**e and e4m3 x 2**e fit bf16), with fp32
-accumulation; the interpreter cannot run bf16 dots, hence DOT_FP32.
+Tile map: ``moe_align`` builds it on the device (static shapes, no host sync): tile ``t`` covers
+sorted pairs ``tile_start[t] .. tile_end[t]`` (at most BLOCK_M, all of one expert
+``tile_expert[t]``; empty tiles exit at once). Grid (tile, weight-row block).
+
+Swap-AB: the expert's weight rows are the MMA's M (W_ROWS = 2 * BLOCK_N rows for FC1, BLOCK_N
+for FC2) and the tile's tokens its N (BLOCK_M = 16 .. 128, chosen from the average pairs per
+expert), so a prefill of a few tokens per expert pads the cheap dimension, not the 128-row one:
+``acc[W_ROWS, BLOCK_M] += w[W_ROWS, BLOCK_K] @ act^T[BLOCK_K, BLOCK_M]`` in fp32.
+
+Operands are exact bf16 (``_mx.py``): MXFP4 weights decoded with integer ops straight into bf16
+bits (``mxfp4_tile_bf16``: 3 integer ops + 2 power-of-two multiplies per value, no fp32 detour
+and no conversion instruction), MXFP8 activations as e4m3 -> bf16 times their power-of-two scale
+(``mxfp8_tile_bf16``). Both are the values the previous fp32 decode fed ``tl.dot`` (exact in
+bf16 except activations below 2**-133, rounded as before), so results match up to the fp32
+summation order. Decoding in the weight tile's own registers lets Triton keep it as the MMA's
+register operand (wgmma's A on sm_90a; mma.sync m16n8k16 on sm_12x, which has no wgmma).
+
+FC1 (bf16 input, A_MXFP8 off) quantizes the activations to MXFP8 and back in registers
+(``mxfp8_roundtrip``), as the decode path's ``moe_route`` quantization would. FC1's epilogue
+adds the bias, applies SwiGLU to the interleaved gate/up rows (acc rows 2i gate, 2i + 1 up),
+transposes to [tokens, outputs] and writes MXFP8 per token (32-output blocks) to row ``pair``.
+FC2's adds the bias, scales by the pair's routing weight and writes fp32 partials
+[M * TOPK, H], summed over slots by the launcher.
+
+The interpreter stores bf16 as raw integers and mis-computes bf16 arithmetic and dots, so
+DOT_FP32 (CPU) builds the same exact values in fp32 and uses an fp32 ``tl.dot``.
 """
 
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import mxfp8_quantize_rows
-from ._mx import load_act_tile, load_mxfp4_tile
+from ._mx import mxfp4_tile_bf16, mxfp8_quantize_rows_fast, mxfp8_roundtrip, mxfp8_tile_bf16
+
+
+@triton.jit
+def _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, t, BLOCK_M: tl.constexpr):
+    """Tile t of the map: (non-empty, expert int64, pair ids [BLOCK_M] int64, valid [BLOCK_M])."""
+    start = tl.load(tile_start_ptr + t)
+    end = tl.load(tile_end_ptr + t)
+    expert = tl.load(tile_expert_ptr + t).to(tl.int64)
+    offs = start + tl.arange(0, BLOCK_M)
+    ok = offs < end
+    pair = tl.load(sorted_pair_ptr + offs, mask=ok, other=0).to(tl.int64)
+    return start < end, expert, pair, ok
+
+
+@triton.jit
+def _weight_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, K: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Rows ``w_rows`` of an MXFP4 matrix ([*, K/2] e2m1 pairs + [*, K/32] e8m0), columns
+    k0 .. k0+BLOCK_K -> exact [ROWS, BLOCK_K] bf16 (fp32 when DOT_FP32); zeros past K."""
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
+                 mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    ws = tl.load(w_scale_ptr + w_rows[:, None] * (K // 32) + offs_kg[None, :],
+                 mask=row_ok[:, None] & (offs_kg[None, :] < K // 32), other=127)
+    return mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, DOT_FP32)
+
+
+@triton.jit
+def _act_tile_t(a_ptr, a_scale_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, A_MXFP8: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Rows ``rows`` [BLOCK_M] of activations [*, K], columns k0 .. k0+BLOCK_K, transposed: the
+    MMA's B operand [BLOCK_K, BLOCK_M], exact MXFP8 values in bf16 (fp32 when DOT_FP32).
+
+    A_MXFP8: e4m3 bytes + [*, K/32] e8m0. Else bf16, quantized to MXFP8 and back in registers."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if A_MXFP8:
+        aq = tl.load(a_ptr + rows[None, :] * K + offs_k[:, None], mask=row_ok[None, :] & (offs_k[:, None] < K),
+                     other=0)
+        offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        a_s = tl.load(a_scale_ptr + rows[None, :] * (K // 32) + offs_kg[:, None],
+                      mask=row_ok[None, :] & (offs_kg[:, None] < K // 32), other=127)
+        return mxfp8_tile_bf16(aq, a_s, BLOCK_K, BLOCK_M, DOT_FP32)
+    else:
+        a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=row_ok[:, None] & (offs_k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        a = tl.trans(mxfp8_roundtrip(a, BLOCK_M, BLOCK_K))  # MXFP8 values: exact in bf16
+        if DOT_FP32:
+            return a
+        else:
+            return a.to(tl.bfloat16)
 
 
 @triton.jit
@@ -28,45 +99,38 @@ def _moe_fc1_grouped_kernel(
     tile_end_ptr,  # [NUM_TILES] int32: one past its last (== start: empty tile)
     out_ptr,  # [M * TOPK, I] uint8 e4m3: SwiGLU output (MXFP8), row = pair id
     out_scale_ptr,  # [M * TOPK, I / 32] uint8 e8m0
-    K: tl.constexpr,
-    I: tl.constexpr,
+    K: tl.constexpr,  # multiple of 64
+    I: tl.constexpr,  # multiple of 32
     TOPK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # SwiGLU outputs per program (multiple of 32): 2 * BLOCK_N weight rows
-    BLOCK_K: tl.constexpr,  # multiple of 32
+    BLOCK_M: tl.constexpr,  # pairs (tokens) per tile: the MMA's N, 16 .. 128
+    BLOCK_N: tl.constexpr,  # SwiGLU outputs per program (multiple of 32): 2 * BLOCK_N weight rows (the MMA's M)
+    BLOCK_K: tl.constexpr,  # power of two >= 32
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     A_MXFP8: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
+    DOT_FP32: tl.constexpr,  # interpreter: fp32 operands (it mis-computes bf16)
+    HW_FP8: tl.constexpr,  # GPU: hardware fp32 -> e4m3 rounding of the output; interpreter: software
 ):
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.load(tile_end_ptr + t)
-    if start >= end:
+    live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                           tl.program_id(0), BLOCK_M)
+    if not live:
         return
-    expert = tl.load(tile_expert_ptr + t).to(tl.int64)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < end
-    pair = tl.load(sorted_pair_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    nb = tl.program_id(1)
     token = pair // TOPK
     rows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved: 2i gate, 2i+1 up
     row_ok = rows < 2 * I
     w_rows = expert * (2 * I) + rows
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = load_act_tile(a_ptr, a_scale_ptr, token, m_ok, k0, K, BLOCK_M, BLOCK_K, A_MXFP8)
-        w = load_mxfp4_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, K, 2 * BLOCK_N, BLOCK_K)
-        if DOT_FP32:
-            acc = tl.dot(a, tl.trans(w), acc)
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w).to(tl.bfloat16), acc)
-    acc += tl.load(bias_ptr + expert * (2 * I) + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        w = _weight_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, K, 2 * BLOCK_N, BLOCK_K, DOT_FP32)
+        a = _act_tile_t(a_ptr, a_scale_ptr, token, m_ok, k0, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
+        acc = tl.dot(w, a, acc)
+    acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), [0, 2, 1]))  # [BLOCK_N, BLOCK_M]
     gate = tl.minimum(gate, LIMIT)
     up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-    y = (up + 1.0) * gate * tl.sigmoid(ALPHA * gate)
-    codes, scales = mxfp8_quantize_rows(y, BLOCK_M, BLOCK_N // 32)
+    y = tl.trans((up + 1.0) * gate * tl.sigmoid(ALPHA * gate))  # [BLOCK_M, BLOCK_N]: MXFP8 blocks along I
+    codes, scales = mxfp8_quantize_rows_fast(y, BLOCK_M, BLOCK_N // 32, HW_FP8)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + pair[:, None] * I + offs_n[None, :], codes, mask=m_ok[:, None] & (offs_n[None, :] < I))
     offs_s = nb * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
@@ -88,33 +152,24 @@ def _moe_fc2_grouped_kernel(
     tile_end_ptr,  # [NUM_TILES] int32
     out_ptr,  # [M * TOPK, H] fp32: w_j * (h_j @ W2[e_j]^T + b2[e_j]), summed over slots by the launcher
     H: tl.constexpr,
-    I: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # multiple of 32
+    I: tl.constexpr,  # multiple of 64
+    BLOCK_M: tl.constexpr,  # pairs per tile: the MMA's N
+    BLOCK_N: tl.constexpr,  # rows of H per program: the MMA's M
+    BLOCK_K: tl.constexpr,  # power of two >= 32
     DOT_FP32: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.load(tile_end_ptr + t)
-    if start >= end:
+    live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                           tl.program_id(0), BLOCK_M)
+    if not live:
         return
-    expert = tl.load(tile_expert_ptr + t).to(tl.int64)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < end
-    pair = tl.load(sorted_pair_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
     w_rows = expert * H + rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a = load_act_tile(h_ptr, h_scale_ptr, pair, m_ok, k0, I, BLOCK_M, BLOCK_K, True)
-        w = load_mxfp4_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, I, BLOCK_N, BLOCK_K)
-        if DOT_FP32:
-            acc = tl.dot(a, tl.trans(w), acc)
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w).to(tl.bfloat16), acc)
-    acc += tl.load(bias_ptr + expert * H + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    acc *= tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)[:, None]
-    tl.store(out_ptr + pair[:, None] * H + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
+        w = _weight_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, I, BLOCK_N, BLOCK_K, DOT_FP32)
+        a = _act_tile_t(h_ptr, h_scale_ptr, pair, m_ok, k0, I, BLOCK_M, BLOCK_K, True, DOT_FP32)
+        acc = tl.dot(w, a, acc)
+    acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    acc *= tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)[None, :]
+    tl.store(out_ptr + pair[None, :] * H + rows[:, None], acc, mask=m_ok[None, :] & row_ok[:, None])

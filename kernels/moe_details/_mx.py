@@ -62,6 +62,88 @@ def load_act_tile(a_ptr, a_scale_ptr, rows, row_ok, k0, K: tl.constexpr, ROWS: t
         return mxfp8_roundtrip(a, ROWS, BLOCK_K)
 
 
+# ---- grouped (prefill) GEMM operands: exact bf16 in a few integer ops --------------------------
+
+@triton.jit
+def _bf16_bits(bits, FP32: tl.constexpr):
+    """int32 holding bf16 bits in its low 16 -> that bf16 value (FP32: as fp32, exact: the
+    interpreter stores bf16 as raw uint16 and cannot multiply it)."""
+    if FP32:
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def mxfp4_tile_bf16(wq, ws, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    """wq [ROWS, BLOCK_K/2] uint8 e2m1 pairs (low nibble = even k) + ws [ROWS, BLOCK_K/32] e8m0 ->
+    [ROWS, BLOCK_K] bf16: exactly ``load_mxfp4_tile``'s values, for every code and scale byte.
+
+    Decode: the nibble (s e1 e0 m) shifted into bf16 bits (sign -> 15, e1 e0 m -> 8..6) is
+    e2m1 * 2**-126 exactly (code 1 = 0.5 lands on the bf16 denormal 2**-127), in three integer
+    ops: ``((b << 28) >> 22) & 0x81C0`` (arithmetic shift: the sign is copied down to bit 15;
+    ``<< 24`` for the high nibble). Scale: times 2**(x - 1), x = max(e8m0, 1) (byte 0 read as
+    2**-126). That factor leaves bf16's range for x > 128, so it is split into two powers of two
+    F1 = 2**min(x - 1, 127), F2 = 2**max(x - 128, 0), bf16 bits ``(min(x, 128) + 126) << 7`` and
+    ``(max(x, 128) - 1) << 7``: (v * F1) * F2. Both products are exact (a 2-bit significand times a
+    power of two, the first never past 2**127 * 6 / 2**126 = 12), the second overflows to inf
+    exactly where fp32 does (|value| >= 2**128). F2 is 1 for every realistic scale (x <= 128:
+    weights below 12); per value that is 3 integer ops + 2 multiplies (bf16x2: one per pair).
+    FP32: the same values computed in fp32 (interpreter)."""
+    b = wq.to(tl.int32)
+    p = ((b * 0x40040) | ((b & 0xF8) * 0x1001000)) & -2118090304  # 0x81C081C0
+    lo = p.to(tl.int16)
+    hi = (p >> 16).to(tl.int16)
+    v = _bf16_bits(tl.reshape(tl.join(lo, hi), [ROWS, BLOCK_K // 32, 32]), FP32)
+    x = tl.maximum(ws.to(tl.int32), 1)
+    f1 = _bf16_bits((tl.minimum(x, 128) + 126) << 7, FP32)[:, :, None]
+    f2 = _bf16_bits((tl.maximum(x, 128) - 1) << 7, FP32)[:, :, None]
+    if FP32:
+        v = v * f1 * f2
+    else:
+        v = tl.inline_asm_elementwise(
+            asm="mul.rn.bf16x2 $0, $1, $2; mul.rn.bf16x2 $0, $0, $3;", constraints="=r,r,r,r",
+            args=[v, f1, f2], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return tl.reshape(v, [ROWS, BLOCK_K])
+
+
+@triton.jit
+def mxfp8_tile_bf16(aq, a_s, BLOCK_K: tl.constexpr, COLS: tl.constexpr, FP32: tl.constexpr):
+    """aq [BLOCK_K, COLS] uint8 e4m3 (K-major: tokens are the MMA's N) + a_s [BLOCK_K/32, COLS] e8m0
+    -> [BLOCK_K, COLS] bf16 e4m3 * 2**(e8m0 - 127) (byte 0 read as 2**-126), the value
+    ``load_act_tile`` rounds to bf16 (exact unless below 2**-133, rounded the same way).
+
+    Decode: the byte's sign -> bf16 bit 15, its 7 other bits -> bits 10..4 is e4m3 * 2**-120
+    exactly (e4m3 denormals land on bf16 denormals; NaN codes are not special). Scale: times
+    2**(x - 7), x = max(e8m0, 1), split like the weights' into F1 = 2**min(x - 7, 127) and
+    F2 = 2**max(x - 134, 0) (1 unless the block's scale exceeds 2**7). On the GPU one inline-PTX
+    block per 4 bytes: 2 ``prmt`` (byte + sign-replicated byte), 2 shifts, 2 masks and 4
+    ``mul.rn.bf16x2`` (sm_90+ and sm_12x alike), all integer/fp16-pipe ops, no conversion
+    instruction. FP32 (interpreter): the same bits and factors in fp32."""
+    x = tl.maximum(a_s.to(tl.int32), 1)
+    f1 = _bf16_bits((tl.minimum(x, 134) + 120) << 7, FP32)[:, None, :]
+    f2 = _bf16_bits((tl.maximum(x, 134) - 7) << 7, FP32)[:, None, :]
+    if FP32:
+        q = tl.reshape(aq.to(tl.int32), [BLOCK_K // 32, 32, COLS])
+        a = _bf16_bits(((q << 24) >> 20) & 0x87F0, FP32) * f1 * f2
+    else:
+        q = tl.reshape(aq, [BLOCK_K // 32, 32, COLS])
+        a = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t0, t1;
+            prmt.b32 t0, $2, 0, 0x9180;
+            prmt.b32 t1, $2, 0, 0xB3A2;
+            shl.b32 t0, t0, 4;
+            shl.b32 t1, t1, 4;
+            and.b32 t0, t0, 0x87F087F0;
+            and.b32 t1, t1, 0x87F087F0;
+            mul.rn.bf16x2 $0, t0, $3;
+            mul.rn.bf16x2 $1, t1, $4;
+            mul.rn.bf16x2 $0, $0, $5;
+            mul.rn.bf16x2 $1, $1, $6; }""",
+            constraints="=r,=r,r,r,r,r,r", args=[q, f1, f2], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return tl.reshape(a, [BLOCK_K, COLS])
+
+
 # ---- decode (GEMV-shaped) helpers ---------------------------------------------------------------
 
 @triton.jit
