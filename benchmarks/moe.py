@@ -8,6 +8,8 @@ Usage (needs a CUDA GPU with vLLM 0.26.0; without one it says so and exits 2)::
     python benchmarks/moe.py --experts 32             # gpt-oss-20b layer
     python benchmarks/moe.py --m 1,2,4 --providers sm121_fma,sm121_decode,triton \
         --fma-tiles "64,256,32,256,8,1;64,128,16,128,4,1"  # + FMA decode tile sweep
+    python benchmarks/moe.py --m 8,64,512,4096 --providers sm121_grouped,triton \
+        --grouped-tiles "16,128,128,4,3;32,128,128,4,3"     # + grouped (prefill) tile sweep
     python benchmarks/moe.py --dry-run                # CPU, Triton interpreter: tiny shapes; ours run
                                                       # (sm121 through vLLM's layer), upstream: config only
 
@@ -50,6 +52,13 @@ prefetch of the next K step; fc2_split = FC2 split-K): for every tile and every 
 whole block (path fma) and FC1 / FC2+combine alone, each its own CUDA graph timed as above, with
 GB/s and % of copy bandwidth (FC1: the routed experts' w13 + scales + bias; FC2: w2's); the
 fastest tile per M is printed last. A tile that fails to compile is a row with its error.
+
+Grouped tile sweep (--grouped-tiles "t1;t2;...", each t = bm,bn,bk,warps,stages as in
+$VLLM_SM121_MOE_GROUPED_TILE: tokens per tile, weight rows per program, K step, warps, pipeline
+stages): for every tile and every M, the whole block (path grouped, the tile forced through the
+environment variable) and FC1 / FC2+sum alone (MXFP8 input from the routing launch, the tile's
+moe_align map built outside the graph), timed and reported as the FMA sweep (FC1 bytes: the routed
+experts' w13 + scales + bias; FC2: w2's); records "sm121_grouped_tile"; the fastest tile per M last.
 
 Correctness (--refcheck, default on): each provider's output vs the dequantized fp32 reference
 ``moe_block_torch`` (MXFP8 activations) and vs the bf16-activation reference (rel L2).
@@ -97,6 +106,8 @@ def parse_args(argv=None):
     ap.add_argument("--fma-tiles", default="",
                     help="FMA decode tile sweep: 'fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
                          "[,fc2_warps,fc2_stages[,fc2_split]];...'")
+    ap.add_argument("--grouped-tiles", default="",
+                    help="grouped (prefill) tile sweep: 'bm,bn,bk,warps,stages;...'")
     ap.add_argument("--out", default=str(REPO_ROOT / "results" / "moe.json"))
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter, tiny shapes: ours run, upstream providers config only")
@@ -108,6 +119,7 @@ def parse_args(argv=None):
     args.m = [int(x) for x in (args.m.split(",") if args.m else DEFAULT_M)]
     args.providers = [p for p in args.providers.split(",") if p]
     args.fma_tiles = [t.strip() for t in args.fma_tiles.replace(" ", ";").split(";") if t.strip()]
+    args.grouped_tiles = [t.strip() for t in args.grouped_tiles.replace(" ", ";").split(";") if t.strip()]
     bad = sorted(set(args.providers) - set(PROVIDERS))
     if bad:
         ap.error(f"unknown providers {bad}; supported: {', '.join(PROVIDERS)}")
@@ -370,8 +382,7 @@ def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
     ms = [m for m in args.m if 0 < m <= K.FMA_KERNEL_MAX_TOKENS]
     print(f"\nFMA decode tile sweep (fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]); "
           f"M = {ms}")
-    print(f"{'tile':<26}{'M':>4}{'block us':>10}{'%copy':>7}{'fc1 us':>10}{'%copy':>7}{'fc2 us':>10}{'%copy':>7}"
-          f"{'relL2 ref':>11}")
+    print(TILE_TABLE_HEADER)
     best: dict[int, tuple[float, str]] = {}
     saved = os.environ.get(K.FMA_TILES_ENV)
     try:
@@ -409,35 +420,14 @@ def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
                         return K.moe_fc2_combine_fma(h, hs, w["w2_weight"], w["w2_weight_scale"],  # noqa: B023
                                                      w["w2_bias"], topk_ids, topk_w, tiles)  # noqa: B023
 
-                    res = {}
-                    for name, fn in (("block", block), ("fc1", fc1), ("fc2", fc2)):
-                        if device.type == "cuda":
-                            times, out = time_graph(fn, args.reps, flush)
-                        else:
-                            t0 = time.perf_counter()
-                            out = fn()
-                            times = [(time.perf_counter() - t0) * 1e6]
-                        res[name] = (pct(times, 0.5), out)
+                    res = _time_parts((("block", block), ("fc1", fc1), ("fc2", fc2)), args, device, flush)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
                     rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                     records.append(rec)
                     print(f"{spec:<26}{m:>4}  {rec['status']}")
                     continue
-                rec.update(status="ok", us_p50=res["block"][0], fc1_us_p50=res["fc1"][0], fc2_us_p50=res["fc2"][0])
-                pcts = []
-                for key, nbytes in (("block", b_all), ("fc1", b_fc1), ("fc2", b_fc2)):
-                    gbps = nbytes / res[key][0] / 1e3
-                    rec[f"{key}_gbps"] = gbps
-                    pcts.append(100 * gbps / copy_gbps if copy_gbps else float("nan"))
-                    if copy_gbps:
-                        rec[f"{key}_pct_copy_bw"] = pcts[-1]
-                if ref is not None:
-                    rec["rel_l2_vs_ref"] = ((res["block"][1].float() - ref).norm() / ref.norm()).item()
+                _tile_record(rec, res, spec, m, ref, copy_gbps, best)
                 records.append(rec)
-                print(f"{spec:<26}{m:>4}{res['block'][0]:>10.1f}{pcts[0]:>7.1f}{res['fc1'][0]:>10.1f}{pcts[1]:>7.1f}"
-                      f"{res['fc2'][0]:>10.1f}{pcts[2]:>7.1f}{rec.get('rel_l2_vs_ref', float('nan')):>11.2e}")
-                if m not in best or res["block"][0] < best[m][0]:
-                    best[m] = (res["block"][0], spec)
     finally:
         if saved is None:
             os.environ.pop(K.FMA_TILES_ENV, None)
@@ -445,6 +435,106 @@ def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
             os.environ[K.FMA_TILES_ENV] = saved
     for m, (us, spec) in sorted(best.items()):
         print(f"fastest FMA tile at M={m}: {spec} ({us:.1f} us)")
+    return records
+
+
+def _time_parts(parts, args, device, flush) -> dict:
+    """{name: (p50 us, output)} for each (name, fn): CUDA-graph replays on the GPU, one call on the CPU."""
+    res = {}
+    for name, fn in parts:
+        if device.type == "cuda":
+            times, out = time_graph(fn, args.reps, flush)
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times = [(time.perf_counter() - t0) * 1e6]
+        res[name] = (pct(times, 0.5), out)
+    return res
+
+
+def _tile_record(rec: dict, res: dict, spec: str, m: int, ref, copy_gbps, best: dict) -> None:
+    """Fill a tile-sweep record from _time_parts' block / fc1 / fc2 timings, print its row, track the best."""
+    rec.update(status="ok", us_p50=res["block"][0], fc1_us_p50=res["fc1"][0], fc2_us_p50=res["fc2"][0])
+    pcts = []
+    for key, nbytes in (("block", rec["bytes"]), ("fc1", rec["fc1_bytes"]), ("fc2", rec["fc2_bytes"])):
+        gbps = nbytes / res[key][0] / 1e3
+        rec[f"{key}_gbps"] = gbps
+        pcts.append(100 * gbps / copy_gbps if copy_gbps else float("nan"))
+        if copy_gbps:
+            rec[f"{key}_pct_copy_bw"] = pcts[-1]
+    if ref is not None:
+        rec["rel_l2_vs_ref"] = ((res["block"][1].float() - ref).norm() / ref.norm()).item()
+    print(f"{spec:<26}{m:>5}{res['block'][0]:>10.1f}{pcts[0]:>7.1f}{res['fc1'][0]:>10.1f}{pcts[1]:>7.1f}"
+          f"{res['fc2'][0]:>10.1f}{pcts[2]:>7.1f}{rec.get('rel_l2_vs_ref', float('nan')):>11.2e}")
+    if m not in best or res["block"][0] < best[m][0]:
+        best[m] = (res["block"][0], spec)
+
+
+TILE_TABLE_HEADER = (f"{'tile':<26}{'M':>5}{'block us':>10}{'%copy':>7}{'fc1 us':>10}{'%copy':>7}{'fc2 us':>10}{'%copy':>7}"
+                     f"{'relL2 ref':>11}")
+
+
+def grouped_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
+    """Time the grouped (prefill) path per tile (--grouped-tiles) at each M: block, FC1, FC2 + sum."""
+    from vllm_sm121.kernels import moe as K
+
+    w = weights
+    records = []
+    ms = [m for m in args.m if m > 0]
+    print(f"\nGrouped (prefill) tile sweep (bm,bn,bk,warps,stages); M = {ms}")
+    print(TILE_TABLE_HEADER)
+    best: dict[int, tuple[float, str]] = {}
+    saved = os.environ.get(K.GROUPED_TILE_ENV)
+    try:
+        for m in ms:
+            g = torch.Generator().manual_seed(m)
+            x = torch.randn(m, args.hidden, generator=g).bfloat16().to(device)
+            logits = torch.randn(m, args.experts, generator=g).bfloat16().to(device)
+            topk_w, topk_ids, xq, xs = K.moe_route(logits, args.topk, x)
+            n_exp = int(topk_ids.unique().numel())
+            b_fc1, b_fc2 = n_exp * fc1_expert_bytes(args), n_exp * fc2_expert_bytes(args)
+            b_all = bytes_moved(args, moe_route_torch_ids(logits, args.topk))
+            ref = None
+            if args.refcheck:
+                ref = K.moe_block_torch(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                        w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk)
+            h, hs = K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids)
+            for spec in args.grouped_tiles:
+                rec = {"provider": "sm121_grouped_tile", "tile": spec, "m": m, "bytes": b_all, "fc1_bytes": b_fc1,
+                       "fc2_bytes": b_fc2}
+                try:
+                    tiles = K.GroupedTiles.parse(spec)
+                    os.environ[K.GROUPED_TILE_ENV] = spec
+                    align = K.moe_align(topk_ids, args.experts, tiles.block_m)
+
+                    def block():  # noqa: B023 (each is timed before the next tile)
+                        return K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                           w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk,
+                                           path="grouped")
+
+                    def fc1():
+                        return K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"],  # noqa: B023
+                                                        w["w13_bias"], topk_ids, align, tiles)  # noqa: B023
+
+                    def fc2():
+                        return K.moe_fc2_grouped(h, hs, w["w2_weight"], w["w2_weight_scale"], w["w2_bias"],  # noqa: B023
+                                                 topk_ids, topk_w, align, tiles)  # noqa: B023
+
+                    res = _time_parts((("block", block), ("fc1", fc1), ("fc2", fc2)), args, device, flush)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
+                    rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    records.append(rec)
+                    print(f"{spec:<26}{m:>5}  {rec['status']}")
+                    continue
+                _tile_record(rec, res, spec, m, ref, copy_gbps, best)
+                records.append(rec)
+    finally:
+        if saved is None:
+            os.environ.pop(K.GROUPED_TILE_ENV, None)
+        else:
+            os.environ[K.GROUPED_TILE_ENV] = saved
+    for m, (us, spec) in sorted(best.items()):
+        print(f"fastest grouped tile at M={m}: {spec} ({us:.1f} us)")
     return records
 
 
@@ -535,6 +625,8 @@ def main(argv=None) -> int:
                   f"  {info}")
     if args.fma_tiles:
         records += fma_tile_sweep(args, weights, device, flush, copy_gbps)
+    if args.grouped_tiles:
+        records += grouped_tile_sweep(args, weights, device, flush, copy_gbps)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))

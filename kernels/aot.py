@@ -170,7 +170,7 @@ def norm_specs(family: str) -> list[Spec]:
 
 def moe_specs(family: str) -> list[Spec]:
     """Routing, the decode GEMVs and the grouped (prefill) GEMMs at gpt-oss-120b shapes, with the
-    launchers' tiles (``kernels/moe.py``: DECODE_*; GPU flags DOT_SCALED / HW_FP8 on)."""
+    launchers' tiles (``kernels/moe.py``: DECODE_*, FMA_TILES, GROUPED_TILES; GPU flags on)."""
     from . import moe as M
 
     grouped = dict(sorted_pair_ptr="*i32", tile_expert_ptr="*i32", tile_start_ptr="*i32", tile_end_ptr="*i32",
@@ -216,18 +216,23 @@ def moe_specs(family: str) -> list[Spec]:
                             SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1),
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
-    for a_mxfp8 in (False, True):
+    # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
+    # with bf16 input (MXFP8 round trip in registers) at the largest.
+    tiles = [t for _, t in M.GROUPED_TILES[family]]
+    for t in tiles:
+        for a_mxfp8 in (True, False) if t is tiles[-1] else (True,):
+            specs.append(Spec(
+                name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in, tile {t.spec()}]",
+                fn=_moe_fc1_grouped_kernel,
+                constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_M=t.block_m, BLOCK_N=t.block_n // 2, BLOCK_K=t.block_k,
+                                ALPHA=1.702, LIMIT=7.0, A_MXFP8=a_mxfp8, DOT_FP32=False, HW_FP8=True),
+                ptr_types=dict(a_ptr="*u8" if a_mxfp8 else "*bf16", a_scale_ptr="*u8", out_ptr="*u8",
+                               out_scale_ptr="*u8", **grouped), num_warps=t.num_warps, num_stages=t.num_stages))
         specs.append(Spec(
-            name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in]",
-            fn=_moe_fc1_grouped_kernel,
-            constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, ALPHA=1.702, LIMIT=7.0,
-                            A_MXFP8=a_mxfp8, DOT_FP32=False),
-            ptr_types=dict(a_ptr="*u8" if a_mxfp8 else "*bf16", a_scale_ptr="*u8", out_ptr="*u8", out_scale_ptr="*u8",
-                           **grouped), num_warps=4))
-    specs.append(Spec(
-        name="moe_fc2_grouped[gpt-oss H2880 I2880]", fn=_moe_fc2_grouped_kernel,
-        constexprs=dict(H=2880, I=2880, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False),
-        ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", out_ptr="*fp32", **grouped), num_warps=4))
+            name=f"moe_fc2_grouped[gpt-oss H2880 I2880, tile {t.spec()}]", fn=_moe_fc2_grouped_kernel,
+            constexprs=dict(H=2880, I=2880, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_FP32=False),
+            ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", out_ptr="*fp32", **grouped),
+            num_warps=t.num_warps, num_stages=t.num_stages))
     return specs
 
 

@@ -8,6 +8,12 @@ Architecture
     by expert (``moe_align``: torch ops with static shapes). Every path is graph-capturable: no
     host sync, shapes depend only on the token count.
 
+    Prefill (grouped, ``moe_details/_moe_grouped.py``): swap-AB GEMMs, weight rows as the MMA's M
+    and each expert's tokens as its N in tiles of 16..128 (GroupedTiles: GROUPED_TILES per family
+    and average pairs per expert, $VLLM_SM121_MOE_GROUPED_TILE at call time), both operands
+    decoded to exact bf16 with integer ops in registers (the weight tile is wgmma's / mma.sync's
+    register A operand); bf16 x is quantized to MXFP8 in the routing launch.
+
     Decode for M <= FMA_MAX_TOKENS (4) tokens ("fma", ``moe_fc1_swiglu_fma`` /
     ``moe_fc2_combine_fma``, ``moe_details/_moe_fma.py``): the same 4 launches and numbers on CUDA
     cores, no MMA and no token padding: program (routed slot, tile of FmaTiles.fc1_rows = 64
@@ -37,7 +43,9 @@ Architecture
 Instructions (``python -m vllm_sm121.kernels.aot``): decode ``tl.dot_scaled`` lowers to Triton's
     e2m1/e4m3 -> bf16 upcast + ``mma.sync.aligned.m16n8k16.bf16`` on sm_121a (``wgmma m64n16k16``
     for FC1 on sm_90a), weights via 16-byte ``cp.async.cg``, SwiGLU -> e4m3 via
-    ``cvt.rn.satfinite.e4m3x2.f32``; the grouped kernels' bf16 ``tl.dot`` becomes mma.sync / wgmma.
+    ``cvt.rn.satfinite.e4m3x2.f32``; the grouped kernels' bf16 ``tl.dot`` becomes
+    ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` on sm_121a and
+    ``wgmma.mma_async ... m64n{BLOCK_M}k16.f32.bf16.bf16`` (A from registers) on sm_90a.
 
 Limitations
     Status: the first decode kernels (CUDA-core row dots) matched the reference on an H200 but
@@ -48,7 +56,10 @@ Limitations
     ~42%, FC2 + combine at ~30%; FMA_TILES). Tensor / expert parallel shards (``moe_block``'s
     ``expert_map``) matched the unsharded block on the interpreter and, in vLLM at TP=2 / EP=2,
     TP=1 within the spread of that configuration on two H100s; their speed was not measured
-    separately. e8m0 byte 0 (2**-127) is read as 2**-126 (only all-zero blocks use it).
+    separately. The swap-AB grouped GEMMs are tested on the interpreter and compiled for sm_121a /
+    sm_90a, not yet timed (the grouped kernels they replace: 5.7 ms per gpt-oss-120b layer at
+    M = 512 on an H100, 10% of copy bandwidth; GROUPED_TILES are untuned starting points). e8m0
+    byte 0 (2**-127) is read as 2**-126 (only all-zero blocks use it).
 """
 
 from __future__ import annotations
@@ -455,30 +466,119 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return order.int(), ec.int(), start.int(), end.int()
 
 
-def _grouped_tiles(device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the grouped kernels."""
-    # performance hyper-parameters (not tuned yet); the interpreter gets the smallest legal dot tiles
-    if _platform.family_of(torch.empty(0, device=device)) == _platform.INTERPRETER:
-        return 16, 32, 32, 4
-    return 64, 64, 64, 4
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """Tiles of the grouped (prefill) kernels (performance hyper-parameters); swap-AB: weight rows
+    are the MMA's M, the tile's tokens its N (``moe_details/_moe_grouped.py``)."""
+
+    block_m: int  # pairs (tokens) per tile, the MMA's N: 16, 32, 64 or 128 (moe_align's block)
+    block_n: int  # weight rows per program, the MMA's M: a power of two >= 64 (FC1: block_n / 2 SwiGLU outputs)
+    block_k: int  # K per step: a power of two >= 32 (whole e8m0 groups)
+    num_warps: int
+    num_stages: int  # software-pipeline stages of the weight / activation tiles
+
+    def __post_init__(self):
+        def pow2(v):
+            return v > 0 and v & (v - 1) == 0
+
+        if (self.block_m not in GROUPED_BLOCK_M or not (pow2(self.block_n) and self.block_n >= 64)
+                or not (pow2(self.block_k) and self.block_k >= 32) or self.num_warps not in (1, 2, 4, 8, 16)
+                or not 1 <= self.num_stages <= 8):
+            raise ValueError(f"{self}: block_m must be one of {GROUPED_BLOCK_M}, block_n a power of two >= 64, "
+                             "block_k a power of two >= 32, num_warps a power of two <= 16, num_stages 1..8")
+
+    @classmethod
+    def parse(cls, text: str) -> GroupedTiles:
+        """"bm,bn,bk,warps,stages" (the $VLLM_SM121_MOE_GROUPED_TILE format)."""
+        try:
+            vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+        except ValueError:
+            vals = []
+        if len(vals) != 5:
+            raise ValueError(f"{GROUPED_TILE_ENV}={text!r}: expected bm,bn,bk,warps,stages (5 integers)")
+        try:
+            return cls(*vals)
+        except ValueError as e:
+            raise ValueError(f"{GROUPED_TILE_ENV}={text!r}: {e}") from None
+
+    def spec(self) -> str:
+        return f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},{self.num_stages}"
 
 
-def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None):
-    """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs."""
+GROUPED_BLOCK_M = (16, 32, 64, 128)
+# performance hyper-parameters, per architecture family: (largest average pairs per expert
+# M * topk / E, tiles), first match wins. BLOCK_M grows with the average so most experts fit one
+# tile (each extra tile re-reads the expert's weights; bound = 0.75 * BLOCK_M: at average 12 a
+# Poisson count exceeds 16 for ~10% of the experts). Not timed yet (the starting point for
+# benchmarks/moe.py --grouped-tiles); chosen from the AOT builds (ptxas, gpt-oss shapes): BLOCK_K
+# 128 (64 bytes of each weight row per step), 128 weight rows per program (64 SwiGLU outputs in
+# FC1), 4 warps up to 32-token tiles; 8 from 64 tokens, where 4 warps spill (sm_90a FC2 at
+# BLOCK_M 64: 255 registers + 208 B of stack; 8 warps: 241, none); at 128 tokens sm_90 halves
+# BLOCK_K and sm_12x the rows (none spills: 177/254 and 233/255 registers for FC1/FC2). sm_90: 3
+# stages; sm_12x: 2 (~99 KB of shared memory per block on GB10; tests/test_aot_compile.py checks
+# the compiled sizes). The interpreter: small tiles (its cost grows with the tile). Overridden at
+# call time, for every M, by VLLM_SM121_MOE_GROUPED_TILE="bm,bn,bk,warps,stages".
+GROUPED_TILES: dict[str, tuple[tuple[float, GroupedTiles], ...]] = {
+    _platform.SM90: ((12, GroupedTiles(16, 128, 128, 4, 3)), (24, GroupedTiles(32, 128, 128, 4, 3)),
+                     (48, GroupedTiles(64, 128, 128, 8, 3)), (float("inf"), GroupedTiles(128, 128, 64, 8, 3))),
+    _platform.SM12X: ((12, GroupedTiles(16, 128, 128, 4, 2)), (24, GroupedTiles(32, 128, 128, 4, 2)),
+                      (48, GroupedTiles(64, 128, 128, 8, 2)), (float("inf"), GroupedTiles(128, 64, 128, 8, 2))),
+    _platform.INTERPRETER: ((12, GroupedTiles(16, 64, 64, 4, 1)), (float("inf"), GroupedTiles(32, 64, 64, 4, 1))),
+}
+GROUPED_TILE_ENV = "VLLM_SM121_MOE_GROUPED_TILE"
+
+
+def _device_family(device: torch.device) -> str:
+    if device.type != "cuda":
+        return _platform.INTERPRETER
+    return _platform.device_family(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def grouped_tiles(device: torch.device, m: int, topk: int, num_experts: int) -> GroupedTiles:
+    """The grouped kernels' tiles for M tokens routed top-``topk`` over ``num_experts`` experts on
+    ``device``: $VLLM_SM121_MOE_GROUPED_TILE if set (read now), else the first GROUPED_TILES[family]
+    entry whose bound covers the average pairs per expert. From shapes only: graph-capturable."""
+    env = os.environ.get(GROUPED_TILE_ENV, "").strip()
+    if env:
+        return GroupedTiles.parse(env)
+    avg = m * topk / max(num_experts, 1)
+    return next(t for bound, t in GROUPED_TILES[_device_family(device)] if avg <= bound)
+
+
+def _grouped_align(align, topk_ids: torch.Tensor, e: int, tiles: GroupedTiles):
+    """``align`` (checked to be moe_align's map for tiles.block_m), or a new one."""
+    if align is None:
+        return moe_align(topk_ids, e, tiles.block_m)
+    p = topk_ids.numel()
+    want = -(-p // tiles.block_m) + min(e, p)  # differs for every other block_m that could overfill a tile
+    if align[1].numel() != want:
+        raise ValueError(f"align holds {align[1].numel()} tiles, moe_align(..., block_m={tiles.block_m}) gives "
+                         f"{want}: build it with the tiles' block_m")
+    return align
+
+
+def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None):
+    """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs.
+
+    ``align``: ``moe_align(topk_ids, E, tiles.block_m)`` if already built; ``tiles``: default
+    ``grouped_tiles(a.device, M, topk, E)``. bf16 ``a`` is quantized to MXFP8 and back in
+    registers by every program (``moe_block`` quantizes once, in the routing launch, instead).
+    """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     mxfp8 = a.dtype != torch.bfloat16
-    block_m, block_n, block_k, num_warps = _grouped_tiles(a.device)
-    block_n = min(block_n, 32 if i % 64 else 64)
+    tiles = tiles or grouped_tiles(a.device, m, topk, e)
+    block_n = tiles.block_n // 2  # SwiGLU outputs per program
     out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
     if m:
-        order, tile_e, tile_s, tile_t = align if align is not None else moe_align(topk_ids, e, block_m)
+        order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         _moe_fc1_grouped_kernel[(tile_e.numel(), -(-i // block_n))](
             a.view(torch.uint8) if mxfp8 else a, a_scale if mxfp8 else out_scale, w13, w13_scale, bias,
             order, tile_e, tile_s, tile_t, out, out_scale,
-            K=k, I=i, TOPK=topk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ALPHA=SWIGLU_ALPHA,
-            LIMIT=SWIGLU_LIMIT, A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER,
-            num_warps=num_warps)
+            K=k, I=i, TOPK=topk, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
+            BLOCK_K=min(tiles.block_k, triton.next_power_of_2(k)), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
+            A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER, HW_FP8=_gpu_flags(a)["HW_FP8"],
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -501,17 +601,21 @@ def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[
     return m, topk, e, hidden, i
 
 
-def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None) -> torch.Tensor:
-    """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H])."""
+def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None,
+                    tiles: GroupedTiles | None = None) -> torch.Tensor:
+    """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H]); ``align`` and
+    ``tiles`` as in ``moe_fc1_swiglu_grouped``."""
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
-    block_m, block_n, block_k, num_warps = _grouped_tiles(h.device)
+    tiles = tiles or grouped_tiles(h.device, m, topk, e)
     part = torch.empty(m, topk, hidden, dtype=torch.float32, device=h.device)
     if m:
-        order, tile_e, tile_s, tile_t = align if align is not None else moe_align(topk_ids, e, block_m)
-        _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // block_n))](
+        order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
+        _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // tiles.block_n))](
             h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
-            H=hidden, I=i, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, num_warps=num_warps)
+            H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            BLOCK_K=min(tiles.block_k, triton.next_power_of_2(i)),
+            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
     return part.sum(1).to(torch.bfloat16)
 
@@ -583,11 +687,16 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
-    topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
-    block_m = _grouped_tiles(x.device)[0]
-    align = moe_align(topk_ids, w13.shape[0], block_m) if m else None
-    h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align)
-    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align)
+    # grouped: x quantized to MXFP8 once, in the routing launch (not by each FC1 program); one tile
+    # choice (from the shapes) for moe_align and both GEMMs
+    if x.dtype == torch.bfloat16:
+        topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)
+    else:
+        topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
+    tiles = grouped_tiles(x.device, m, topk, w13.shape[0])
+    align = moe_align(topk_ids, w13.shape[0], tiles.block_m) if m else None
+    h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles)
+    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles)
 
 
 def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,

@@ -52,6 +52,7 @@ for step in "$@"; do
     e2e_kv) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "quantized or nvfp4" -p no:cacheprovider > "$OUT/e2e_kv.log" 2>&1; r=$?
          grep -E "^\[|nvfp4|Error|passed|failed" "$OUT/e2e_kv.log" | head -n 40; (exit $r) ;;
     moebench) python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 80 ;;
+    moegsweep) python3 benchmarks/moe.py --m "${MOE_M:-8,64,512,4096}" --providers "${MOE_PROVIDERS:-sm121_grouped,triton}" ${MOE_GROUPED_TILES:+--grouped-tiles "$MOE_GROUPED_TILES"} --out "$OUT/moe_grouped_sweep${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moegsweep${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 70 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
     densegpu) python3 -m pytest -q -m gpu tests/test_dense.py -p no:cacheprovider 2>&1 | tail -n 15 | tee "$OUT/densegpu.log" ;;

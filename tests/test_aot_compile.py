@@ -56,3 +56,19 @@ def test_kv_write_fp8_uses_hardware_conversion_unless_soft(record):
     rows = record["sm_121a"]
     assert any(i.startswith("cvt.rn.satfinite.e4m3") for i in rows["write_kv_cache[fp8]"]["instructions"])
     assert not any(i.startswith("cvt.rn.satfinite") for i in rows["write_kv_cache[fp8,soft-e4m3]"]["instructions"])
+
+
+def test_grouped_moe_gemms_use_bf16_mma_with_tokens_as_n(record):
+    """The swap-AB grouped (prefill) GEMMs at every tile of the table: bf16 mma.sync m16n8k16 on
+    sm_121a; on sm_90a wgmma m64 x n = BLOCK_M (tokens are the N, the weight rows the M)."""
+    import re
+
+    for arch in ("sm_121a", "sm_90a"):
+        rows = {k: v for k, v in record[arch].items() if "_grouped[" in k}
+        assert len(rows) >= 8, sorted(record[arch])
+        for name, info in rows.items():
+            mma = [i for i in info["instructions"] if "mma" in i]
+            block_m = int(re.search(r"tile (\d+),", name).group(1))
+            want = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if arch == "sm_121a"
+                    else f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16")
+            assert mma == [want], (arch, name, mma)

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from test_moe_block import random_moe_weights
 
 from vllm_sm121.kernels.moe import dequant_mxfp4_torch, moe_fc1_swiglu, moe_fc1_swiglu_torch
+from vllm_sm121.kernels.moe_details._mx import _bf16_bits, load_mxfp4_tile, mxfp4_tile_bf16, mxfp8_tile_bf16
 from vllm_sm121.kernels.norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 
 pytestmark = pytest.mark.interpreter
@@ -368,3 +371,210 @@ def test_fma_tiles_on_gpu(tiles, monkeypatch):
         out = K.moe_block(x[:m], logits[:m], *args, 4, path="fma")
         rel = ((out.float() - ref[:m]).norm() / ref[:m].norm()).item()
         assert rel < 5e-3, (tiles, m, rel)
+
+
+# ---- the grouped (prefill) GEMMs: swap-AB, bf16 operands decoded with integer ops -------------------
+
+# e8m0 bytes: 0 (read as 2**-126), 1, realistic weight scales, the split points of the factors
+# (weights: 128 / 129; activations: 134 / 135), large ones up to 254 (products overflow to inf).
+DECODE_SCALES = (0, 1, 2, 100, 118, 119, 120, 121, 126, 127, 128, 129, 134, 135, 140, 200, 253, 254)
+
+
+@triton.jit
+def _mxfp4_decode_kernel(wq_ptr, ws_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+    """MODE 0: mxfp4_tile_bf16 (fp32 emulation), 1: the same on bf16 arithmetic (GPU), 2: the
+    fp32 decoder load_mxfp4_tile, 3: a single-factor scale (negative control: no F1/F2 split)."""
+    r = tl.arange(0, ROWS)
+    k = tl.arange(0, BLOCK_K)
+    if MODE == 2:
+        w = load_mxfp4_tile(wq_ptr, ws_ptr, r, r < ROWS, 0, BLOCK_K, ROWS, BLOCK_K)
+    else:
+        wq = tl.load(wq_ptr + r[:, None] * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        ws = tl.load(ws_ptr + r[:, None] * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
+        if MODE == 3:
+            ones = tl.full([ROWS, BLOCK_K // 32], 127, tl.uint8)  # F1 = F2 = 1: the bare e2m1 * 2**-126 bits
+            v = tl.reshape(mxfp4_tile_bf16(wq, ones, ROWS, BLOCK_K, True), [ROWS, BLOCK_K // 32, 32])
+            f = _bf16_bits((tl.maximum(ws.to(tl.int32), 1) + 126) << 7, True)  # 2**(x - 1): leaves bf16 for x > 128
+            w = tl.reshape(v * 2.0**-126 * f[:, :, None], [ROWS, BLOCK_K])
+        else:
+            w = mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, MODE == 0)
+    tl.store(out_ptr + r[:, None] * BLOCK_K + k[None, :], w)
+
+
+def _decode_mxfp4(device, mode: int, out_dtype=torch.float32):
+    """Every byte (both nibbles: all 16 e2m1 codes in both positions) under every DECODE_SCALES byte."""
+    rows = triton.next_power_of_2(len(DECODE_SCALES))
+    wq = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)  # [rows, 256]: BLOCK_K = 512, 16 groups
+    ws = torch.tensor(DECODE_SCALES + (127,) * (rows - len(DECODE_SCALES)), dtype=torch.uint8)[:, None].repeat(1, 16)
+    out = torch.empty(rows, 512, dtype=out_dtype, device=device)
+    _mxfp4_decode_kernel[(1,)](wq.to(device), ws.to(device), out, ROWS=rows, BLOCK_K=512, MODE=mode)
+    return out.cpu(), dequant_mxfp4_torch(wq, ws), len(DECODE_SCALES)
+
+
+def test_grouped_weight_decode_is_exact_for_every_code_and_scale(device):
+    """mxfp4_tile_bf16 (the grouped kernels' weight operand) equals the LUT reference bit for bit
+    and the fp32 decoder's values: 16 codes x 18 scale bytes, signed zeros and overflow to inf. The
+    negative control (one 2**(x-1) factor, no split) must fail above e8m0 128, so the check bites."""
+    out, ref, n = _decode_mxfp4(device, 0)
+    assert torch.isinf(ref[:n]).any() and (ref[:n] == 0).any() and (ref[:n].view(torch.int32) < 0).any()
+    assert torch.equal(out[:n].view(torch.int32), ref[:n].view(torch.int32))
+    fp32_decoder, _, _ = _decode_mxfp4(device, 2)  # the same values (it writes -0 as +0: Triton's -x is 0 - x)
+    assert torch.equal(out[:n], fp32_decoder[:n])
+    naive, _, _ = _decode_mxfp4(device, 3)
+    same = [torch.equal(naive[r].view(torch.int32), ref[r].view(torch.int32)) for r in range(n)]
+    assert same == [s <= 128 for s in DECODE_SCALES]
+    # every value is a bf16 (the operand is exact)
+    assert torch.equal(out[:n].bfloat16().float().view(torch.int32), out[:n].view(torch.int32))
+
+
+@triton.jit
+def _mxfp8_decode_kernel(aq_ptr, as_ptr, out_ptr, BLOCK_K: tl.constexpr, COLS: tl.constexpr, FP32: tl.constexpr):
+    k = tl.arange(0, BLOCK_K)
+    c = tl.arange(0, COLS)
+    aq = tl.load(aq_ptr + k[:, None] * COLS + c[None, :])
+    a_s = tl.load(as_ptr + tl.arange(0, BLOCK_K // 32)[:, None] * COLS + c[None, :])
+    tl.store(out_ptr + k[:, None] * COLS + c[None, :], mxfp8_tile_bf16(aq, a_s, BLOCK_K, COLS, FP32))
+
+
+def _decode_mxfp8(device, fp32: bool):
+    """All 256 e4m3 codes (k) x DECODE_SCALES (columns); reference: e4m3 * 2**(max(e8m0, 1) - 127) in fp32."""
+    cols = 32
+    aq = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, cols)
+    sc = torch.tensor(DECODE_SCALES + (127,) * (cols - len(DECODE_SCALES)), dtype=torch.uint8)
+    a_s = sc[None, :].repeat(256 // 32, 1)
+    out = torch.empty(256, cols, dtype=torch.float32 if fp32 else torch.bfloat16, device=device)
+    _mxfp8_decode_kernel[(1,)](aq.to(device), a_s.to(device), out, BLOCK_K=256, COLS=cols, FP32=fp32)
+    ref = aq.view(torch.float8_e4m3fn).float() * torch.exp2(sc.float().clamp(min=1) - 127)[None, :]
+    finite = (aq & 0x7F) != 0x7F  # NaN codes are not special in the bit decode (never emitted by MXFP8)
+    return out.cpu(), ref, finite[:, : len(DECODE_SCALES)], len(DECODE_SCALES)
+
+
+def test_grouped_activation_decode_is_exact_for_every_code_and_scale(device):
+    """mxfp8_tile_bf16 (the B operand): every e4m3 code (denormals, signed zero) x 18 scale bytes,
+    bit for bit the fp32 value (overflow: inf where fp32 overflows)."""
+    out, ref, finite, n = _decode_mxfp8(device, fp32=True)
+    o, r = out[:, :n][finite], ref[:, :n][finite]
+    assert torch.isinf(r).any() and (r.view(torch.int32) < 0).any()
+    assert torch.equal(o.view(torch.int32), r.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_grouped_operand_decodes_on_gpu():
+    """The GPU path (bf16 arithmetic, inline mul.rn.bf16x2 / prmt): weights bit-exact, activations
+    equal to the fp32 value rounded to bf16 (only below 2**-133 does that round)."""
+    out, ref, n = _decode_mxfp4("cuda", 1, torch.bfloat16)
+    assert torch.equal(out[:n].float().view(torch.int32), ref[:n].view(torch.int32))
+    out, ref, finite, n = _decode_mxfp8("cuda", fp32=False)
+    assert torch.equal(out[:, :n][finite].view(torch.int16), ref[:, :n][finite].bfloat16().view(torch.int16))
+
+
+GROUPED_CASES = [  # m, k, i, e, topk, tiles (None: the table's)
+    (5, 64, 64, 4, 2, None),
+    (9, 128, 64, 4, 3, "16,64,32,4,1"),  # 16-token tiles (experts over 2 tiles), 4 K steps
+    (20, 192, 128, 4, 2, "32,64,128,4,1"),  # 32-token tiles, 2 K steps (the last one half masked)
+    (3, 64, 128, 8, 4, "16,128,64,4,1"),  # FC1: 64 outputs per program; FC2: 128 rows (H masked)
+    (4, 64, 96, 4, 2, "16,128,64,2,1"),  # FC1 only (FC2 takes I % 64 == 0): outputs past I masked
+]
+
+
+@pytest.mark.parametrize("m,k,i,e,topk,tiles", GROUPED_CASES)
+def test_grouped_fc1_fc2_match_reference(device, m, k, i, e, topk, tiles):
+    """Grouped FC1 (MXFP8 and bf16 input) and FC2 + combine against their references with
+    16- and 32-token tiles (``tiles``), experts spread over several tiles."""
+    from vllm_sm121.kernels.moe import (
+        GroupedTiles,
+        moe_align,
+        moe_fc1_swiglu_grouped,
+        moe_fc2_combine_torch,
+        moe_fc2_grouped,
+    )
+
+    x, a, a_scale, w13, w13_scale, bias, topk_ids = _fc1_case(m, k, i, e, topk, seed=50 + m)
+    t = GroupedTiles.parse(tiles) if tiles else None
+    dev = lambda v: v.to(device)  # noqa: E731
+    align = moe_align(dev(topk_ids), e, t.block_m) if t else None
+    (ref_q, ref_s), y_ref = moe_fc1_swiglu_torch(a, a_scale, w13, w13_scale, bias, topk_ids)
+    assert y_ref.abs().max() > 0.5
+    q, s = moe_fc1_swiglu_grouped(dev(a), dev(a_scale), dev(w13), dev(w13_scale), dev(bias), dev(topk_ids), align, t)
+    _assert_mxfp8_close(q, s, ref_q, ref_s)
+    qb, sb = moe_fc1_swiglu_grouped(dev(x.bfloat16()), None, dev(w13), dev(w13_scale), dev(bias), dev(topk_ids),
+                                    align, t)  # quantized to MXFP8 in registers: the same numbers
+    (rq, rs), _ = moe_fc1_swiglu_torch(x.bfloat16(), None, w13, w13_scale, bias, topk_ids)
+    _assert_mxfp8_close(qb, sb, rq, rs)
+    if i % 64:
+        return
+    g = torch.Generator().manual_seed(60 + m)
+    hidden = k
+    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
+    w2_scale = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
+    b2 = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
+    topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
+    h, h_scale = ref_q, ref_s
+    ref = moe_fc2_combine_torch(h, h_scale, w2, w2_scale, b2, topk_ids, topk_w)
+    out = moe_fc2_grouped(dev(h), dev(h_scale), dev(w2), dev(w2_scale), dev(b2), dev(topk_ids), dev(topk_w), align, t)
+    assert ref.abs().max() > 0.5
+    torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=1e-5)
+
+
+def test_grouped_block_with_env_tiles_matches_reference(device, monkeypatch):
+    """moe_block(path="grouped") end to end under $VLLM_SM121_MOE_GROUPED_TILE with 16- and
+    32-token tiles (moe_align and both GEMMs follow the override), bf16 and MXFP8 input."""
+    from vllm_sm121.kernels import moe as K
+
+    m, hidden, i, e, topk = 24, 64, 64, 4, 2  # ~12 pairs per expert: several 16-token tiles per expert
+    g = torch.Generator().manual_seed(70)
+    w13 = torch.randint(0, 256, (e, 2 * i, hidden // 2), generator=g, dtype=torch.uint8)
+    w13_s = torch.randint(118, 122, (e, 2 * i, hidden // 32), generator=g, dtype=torch.uint8)
+    b13 = (torch.randn(e, 2 * i, generator=g) * 0.5).bfloat16()
+    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
+    w2_s = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
+    b2 = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    logits = torch.randn(m, e, generator=g).bfloat16()
+    args = [w13, w13_s, b13, w2, w2_s, b2]
+    ref = K.moe_block_torch(x, logits, *args, topk)
+    dev = lambda t: t.to(device)  # noqa: E731
+    outs = []
+    for tiles in ("16,64,64,4,1", "32,64,32,2,1"):
+        monkeypatch.setenv(K.GROUPED_TILE_ENV, tiles)
+        out = K.moe_block(dev(x), dev(logits), *map(dev, args), topk, path="grouped").cpu()
+        assert ((out.float() - ref).norm() / ref.norm()) < 5e-3, tiles
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+        outs.append(out)
+    q, s = mxfp8_quantize_torch(x.float())
+    out_q = K.moe_block(dev(q), dev(logits), *map(dev, args), topk, x_scale=dev(s), path="grouped").cpu()
+    assert torch.equal(out_q, outs[-1])  # the routing launch's quantization = mxfp8_quantize_torch
+
+
+def test_grouped_tiles_table_env_and_align_check(monkeypatch):
+    from vllm_sm121 import platform as P
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.delenv(K.GROUPED_TILE_ENV, raising=False)
+    cpu = torch.device("cpu")
+    assert set(K.GROUPED_TILES) == {P.SM90, P.SM12X, P.INTERPRETER}
+    for fam, rows in K.GROUPED_TILES.items():
+        assert rows[-1][0] == float("inf") and [b for b, _ in rows] == sorted(b for b, _ in rows), fam
+    # BLOCK_M from the average pairs per expert: small batches get 16-token tiles
+    assert K.grouped_tiles(cpu, 8, 4, 128).block_m == 16
+    assert K.grouped_tiles(cpu, 512, 4, 4).block_m == 32
+    sm90 = {avg: next(t for b, t in K.GROUPED_TILES[P.SM90] if avg <= b).block_m for avg in (0.25, 16, 40, 128)}
+    assert sm90 == {0.25: 16, 16: 32, 40: 64, 128: 128}
+    assert all(t.num_stages == 2 for _, t in K.GROUPED_TILES[P.SM12X])  # ~99 KB of shared memory on GB10
+    # the override: any M, parsed at call time; errors name the variable
+    monkeypatch.setenv(K.GROUPED_TILE_ENV, "32,128,64,8,2")
+    assert K.grouped_tiles(cpu, 1, 4, 128) == K.GroupedTiles(32, 128, 64, 8, 2)
+    assert K.GroupedTiles.parse(K.GroupedTiles(64, 256, 128, 4, 3).spec()) == K.GroupedTiles(64, 256, 128, 4, 3)
+    for bad in ("32,128,64,8", "24,128,64,4,2", "32,96,64,4,2", "32,32,64,4,2", "32,128,48,4,2", "32,128,64,3,2",
+                "32,128,64,4,0", "a,b,c,d,e"):
+        monkeypatch.setenv(K.GROUPED_TILE_ENV, bad)
+        with pytest.raises(ValueError, match=K.GROUPED_TILE_ENV):
+            K.grouped_tiles(cpu, 64, 4, 128)
+    monkeypatch.delenv(K.GROUPED_TILE_ENV)
+    # an align map built for another block_m is refused (it could hold more pairs per tile)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(40)]).int()
+    a = torch.zeros(40, 64).bfloat16()
+    args = (torch.zeros(8, 128, 32, dtype=torch.uint8), torch.zeros(8, 128, 2, dtype=torch.uint8),
+            torch.zeros(8, 128).bfloat16(), ids)
+    with pytest.raises(ValueError, match="block_m=16"):
+        K.moe_fc1_swiglu_grouped(a, None, *args, K.moe_align(ids, 8, 32), K.GroupedTiles(16, 64, 64, 4, 1))

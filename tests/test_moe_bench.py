@@ -126,3 +126,35 @@ def test_dry_run_fma_sweep(tmp_path):
     assert [r["status"] for r in recs if r["provider"] == "sm121_fma" and "tile" not in r] == ["ok", "ok"]
     assert {r["m"] for r in recs if r.get("tile")} == {1}
     assert any(r.get("tile") == "64,32,16,32,4,2" and r["status"] == "ok" for r in recs)
+
+
+def test_grouped_tile_sweep_option():
+    from vllm_sm121.kernels import moe as K
+
+    a = bench.parse_args(["--m", "8,512", "--providers", "sm121_grouped,triton",
+                          "--grouped-tiles", "16,128,128,4,3; 32,128,64,8,2"])
+    assert a.grouped_tiles == ["16,128,128,4,3", "32,128,64,8,2"]
+    assert [K.GroupedTiles.parse(t).block_m for t in a.grouped_tiles] == [16, 32]
+    assert bench.parse_args(["--m", "1"]).grouped_tiles == []
+
+
+def test_dry_run_grouped_sweep(tmp_path):
+    """Both tiles run at both M (M = 3: one pair per expert or so; 20: experts over several 16-token
+    tiles), with FC1 / FC2 split times and the error against the reference in each record."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "moe.json"
+    tiles = ["16,64,64,4,1", "32,64,32,2,1"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--m", "3,20", "--providers", "sm121_grouped",
+                           "--grouped-tiles", ";".join(tiles), "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "moe_block(path=grouped)" in proc.stdout and "Grouped (prefill) tile sweep" in proc.stdout
+    assert "fastest grouped tile at M=3: " in proc.stdout and "fastest grouped tile at M=20: " in proc.stdout
+    recs = [r for r in json.loads(out.read_text())["records"] if r["provider"] == "sm121_grouped_tile"]
+    assert sorted((r["tile"], r["m"]) for r in recs) == sorted((t, m) for t in tiles for m in (3, 20))
+    for r in recs:
+        assert r["status"] == "ok", r
+        assert r["fc1_us_p50"] > 0 and r["fc2_us_p50"] > 0 and r["fc1_bytes"] + r["fc2_bytes"] < r["bytes"]
+        assert r["rel_l2_vs_ref"] < 5e-3, r

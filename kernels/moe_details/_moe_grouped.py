@@ -5,28 +5,39 @@ Tile map: ``moe_align`` builds it on the device (static shapes, no host sync): t
 sorted pairs ``tile_start[t] .. tile_end[t]`` (at most BLOCK_M, all of one expert
 ``tile_expert[t]``; empty tiles exit at once). Grid (tile, weight-row block).
 
-Swap-AB: the expert's weight rows are the MMA's M (W_ROWS = 2 * BLOCK_N rows for FC1, BLOCK_N
-for FC2) and the tile's tokens its N (BLOCK_M = 16 .. 128, chosen from the average pairs per
-expert), so a prefill of a few tokens per expert pads the cheap dimension, not the 128-row one:
-``acc[W_ROWS, BLOCK_M] += w[W_ROWS, BLOCK_K] @ act^T[BLOCK_K, BLOCK_M]`` in fp32.
+Swap-AB: the expert's weight rows are the MMA's M (2 * BLOCK_N rows for FC1, BLOCK_N for FC2)
+and the tile's tokens its N (BLOCK_M = 16 .. 128, from the average pairs per expert):
+``acc[rows, BLOCK_M] += w[rows, BLOCK_K] @ act^T[BLOCK_K, BLOCK_M]``, fp32 accumulation. Why: a
+prefill of M = 512 tokens gives ~16 pairs per expert (gpt-oss-120b, top-4 of 128), so the
+previous 64-token M tiles were 75% padding, and its decoded weight tile, the B operand, went
+through shared memory. Now the padding is in the cheap dimension (16-token N tiles) and the
+weight tile is decoded in the registers it is consumed from: the A operand of wgmma on sm_90a,
+of mma.sync m16n8k16 on sm_12x (no wgmma there; the PTX is checked by tests/test_aot_compile.py).
 
-Operands are exact bf16 (``_mx.py``): MXFP4 weights decoded with integer ops straight into bf16
-bits (``mxfp4_tile_bf16``: 3 integer ops + 2 power-of-two multiplies per value, no fp32 detour
-and no conversion instruction), MXFP8 activations as e4m3 -> bf16 times their power-of-two scale
-(``mxfp8_tile_bf16``). Both are the values the previous fp32 decode fed ``tl.dot`` (exact in
-bf16 except activations below 2**-133, rounded as before), so results match up to the fp32
-summation order. Decoding in the weight tile's own registers lets Triton keep it as the MMA's
-register operand (wgmma's A on sm_90a; mma.sync m16n8k16 on sm_12x, which has no wgmma).
+Operands are exact bf16 (``_mx.py``): the MXFP4 weights decoded with integer ops straight into
+bf16 pairs (``mxfp4_tile_bf16``: 4 integer ops per byte, then two power-of-two multiplies per
+pair in ``mul.rn.bf16x2``), the MXFP8 activations likewise (``mxfp8_tile_bf16``: ``prmt`` +
+shift + mask per pair, two multiplies). No fp32 detour, no conversion instruction. They are the
+values the previous fp32 decode fed ``tl.dot`` (activations below 2**-133 round to bf16 the same
+way), so results match it up to the fp32 summation order. The e8m0 scales of the next K step
+are loaded during this one (the software pipeline stages the weight and activation tiles only).
+Cost (sm_90a SASS of FC1's K loop, per thread and step of 128 weight values): 735 instructions
+at BLOCK_M 16 (weights: 64 ``LDS.U8``, 128 IMAD + 128 LOP3, 128 ``HMUL2``; the rest activations,
+scales, addressing, 16 ``HGMMA.64x16x16``), 799 at 32; the previous kernel took 1484 per 64
+weight values (fp32 decode, ``FMUL``/``FFMA``/``I2FP``/``F2FP`` per value): 5.7 instead of 23
+per weight value.
 
-FC1 (bf16 input, A_MXFP8 off) quantizes the activations to MXFP8 and back in registers
-(``mxfp8_roundtrip``), as the decode path's ``moe_route`` quantization would. FC1's epilogue
-adds the bias, applies SwiGLU to the interleaved gate/up rows (acc rows 2i gate, 2i + 1 up),
-transposes to [tokens, outputs] and writes MXFP8 per token (32-output blocks) to row ``pair``.
-FC2's adds the bias, scales by the pair's routing weight and writes fp32 partials
-[M * TOPK, H], summed over slots by the launcher.
+FC1 with bf16 input (A_MXFP8 off) quantizes the activations to MXFP8 and back in registers
+(``mxfp8_roundtrip``) in every program; ``moe_block`` quantizes once, in the routing launch,
+instead (the same numbers). FC1's epilogue adds the bias, applies SwiGLU to the interleaved
+gate/up rows (acc rows 2i gate, 2i + 1 up), transposes to [tokens, outputs] and writes MXFP8 per
+token (32-output blocks, hardware e4m3 rounding when HW_FP8) to row ``pair``. FC2's adds the
+bias, scales by the pair's routing weight and writes fp32 partials [M * TOPK, H], summed over
+the slots by the launcher.
 
-The interpreter stores bf16 as raw integers and mis-computes bf16 arithmetic and dots, so
-DOT_FP32 (CPU) builds the same exact values in fp32 and uses an fp32 ``tl.dot``.
+The interpreter stores bf16 as raw integers (its bf16 arithmetic and dots are wrong) and runs
+no inline PTX, so DOT_FP32 (CPU) builds the same bits and factors in fp32 and uses an fp32
+``tl.dot``.
 """
 
 import triton
@@ -48,33 +59,42 @@ def _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, 
 
 
 @triton.jit
-def _weight_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, K: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Rows ``w_rows`` of an MXFP4 matrix ([*, K/2] e2m1 pairs + [*, K/32] e8m0), columns
-    k0 .. k0+BLOCK_K -> exact [ROWS, BLOCK_K] bf16 (fp32 when DOT_FP32); zeros past K."""
-    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+def _scales(s_ptr, rows, row_ok, g0, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """e8m0 bytes of rows ``rows`` ([*, K/32] row-major), groups g0 .. g0 + BLOCK_K/32: [rows, groups]
+    (ROWS_FIRST) or [groups, rows]; 127 past K or a masked row."""
+    offs_g = g0 + tl.arange(0, BLOCK_K // 32)
+    if ROWS_FIRST:
+        return tl.load(s_ptr + rows[:, None] * (K // 32) + offs_g[None, :],
+                       mask=row_ok[:, None] & (offs_g[None, :] < K // 32), other=127)
+    else:
+        return tl.load(s_ptr + rows[None, :] * (K // 32) + offs_g[:, None],
+                       mask=row_ok[None, :] & (offs_g[:, None] < K // 32), other=127)
+
+
+@triton.jit
+def _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """Rows ``w_rows`` of an MXFP4 matrix ([*, K/2] e2m1 pairs), bytes kb .. kb + BLOCK_K/2 (k from
+    2 * kb), with their scales ws [ROWS, BLOCK_K/32] -> exact [ROWS, BLOCK_K] bf16 (fp32 when
+    DOT_FP32); zeros past K."""
+    offs_kb = kb + tl.arange(0, BLOCK_K // 2)
     wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
                  mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    ws = tl.load(w_scale_ptr + w_rows[:, None] * (K // 32) + offs_kg[None, :],
-                 mask=row_ok[:, None] & (offs_kg[None, :] < K // 32), other=127)
     return mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, DOT_FP32)
 
 
 @triton.jit
-def _act_tile_t(a_ptr, a_scale_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _act_tile_t(a_ptr, a_s, rows, row_ok, k0, K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_K: tl.constexpr, A_MXFP8: tl.constexpr, DOT_FP32: tl.constexpr):
     """Rows ``rows`` [BLOCK_M] of activations [*, K], columns k0 .. k0+BLOCK_K, transposed: the
     MMA's B operand [BLOCK_K, BLOCK_M], exact MXFP8 values in bf16 (fp32 when DOT_FP32).
 
-    A_MXFP8: e4m3 bytes + [*, K/32] e8m0. Else bf16, quantized to MXFP8 and back in registers."""
+    A_MXFP8: e4m3 bytes with their e8m0 scales a_s [BLOCK_K/32, BLOCK_M]. Else bf16, quantized to
+    MXFP8 and back in registers (a_s unused)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if A_MXFP8:
         aq = tl.load(a_ptr + rows[None, :] * K + offs_k[:, None], mask=row_ok[None, :] & (offs_k[:, None] < K),
                      other=0)
-        offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        a_s = tl.load(a_scale_ptr + rows[None, :] * (K // 32) + offs_kg[:, None],
-                      mask=row_ok[None, :] & (offs_kg[:, None] < K // 32), other=127)
         return mxfp8_tile_bf16(aq, a_s, BLOCK_K, BLOCK_M, DOT_FP32)
     else:
         a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=row_ok[:, None] & (offs_k[None, :] < K),
@@ -121,9 +141,16 @@ def _moe_fc1_grouped_kernel(
     row_ok = rows < 2 * I
     w_rows = expert * (2 * I) + rows
     acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, K, 2 * BLOCK_N, BLOCK_K, DOT_FP32)
-        a = _act_tile_t(a_ptr, a_scale_ptr, token, m_ok, k0, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
+    # The scales of step kb + 1 are loaded during step kb (the pipeliner only stages the tiles).
+    ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, 0, K, BLOCK_K, True)
+    as_nxt = _scales(a_scale_ptr, token, m_ok & A_MXFP8, 0, K, BLOCK_K, False)
+    for kb in range(0, K // 2, BLOCK_K // 2):  # kb: byte offset in a weight row (k = 2 * kb)
+        ws = ws_nxt
+        a_s = as_nxt
+        ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, K, BLOCK_K, True)
+        as_nxt = _scales(a_scale_ptr, token, m_ok & A_MXFP8, kb // 16 + BLOCK_K // 32, K, BLOCK_K, False)
+        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K, 2 * BLOCK_N, BLOCK_K, DOT_FP32)
+        a = _act_tile_t(a_ptr, a_s, token, m_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
         acc = tl.dot(w, a, acc)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), [0, 2, 1]))  # [BLOCK_N, BLOCK_M]
@@ -166,9 +193,15 @@ def _moe_fc2_grouped_kernel(
     row_ok = rows < H
     w_rows = expert * H + rows
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        w = _weight_tile(w_ptr, w_scale_ptr, w_rows, row_ok, k0, I, BLOCK_N, BLOCK_K, DOT_FP32)
-        a = _act_tile_t(h_ptr, h_scale_ptr, pair, m_ok, k0, I, BLOCK_M, BLOCK_K, True, DOT_FP32)
+    ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, 0, I, BLOCK_K, True)
+    as_nxt = _scales(h_scale_ptr, pair, m_ok, 0, I, BLOCK_K, False)
+    for kb in range(0, I // 2, BLOCK_K // 2):
+        ws = ws_nxt
+        a_s = as_nxt
+        ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, True)
+        as_nxt = _scales(h_scale_ptr, pair, m_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, False)
+        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, I, BLOCK_N, BLOCK_K, DOT_FP32)
+        a = _act_tile_t(h_ptr, a_s, pair, m_ok, 2 * kb, I, BLOCK_M, BLOCK_K, True, DOT_FP32)
         acc = tl.dot(w, a, acc)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     acc *= tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)[None, :]

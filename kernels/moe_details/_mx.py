@@ -1,9 +1,10 @@
 """MX tile loaders shared by the MoE kernels (launchers and references: ``kernels/moe.py``).
 
 Every loader returns fp32 values exactly as the MX formats define them, so the CUDA-core
-(decode) and ``tl.dot`` (grouped) kernels see the same operands: an e4m3 or e2m1 code times a
-power of two is exact in fp32 and in bf16. e8m0 byte 0 (2**-127) is read as 2**-126
-(only all-zero blocks use it).
+(decode) and ``tl.dot`` kernels see the same operands: an e4m3 or e2m1 code times a power of two
+is exact in fp32 and in bf16. The grouped (prefill) GEMMs' decoders (``mxfp4_tile_bf16``,
+``mxfp8_tile_bf16``) build those values straight in bf16 with integer ops. e8m0 byte 0 (2**-127)
+is read as 2**-126 (only all-zero blocks use it).
 """
 
 import triton
@@ -77,19 +78,25 @@ def _bf16_bits(bits, FP32: tl.constexpr):
 @triton.jit
 def mxfp4_tile_bf16(wq, ws, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
     """wq [ROWS, BLOCK_K/2] uint8 e2m1 pairs (low nibble = even k) + ws [ROWS, BLOCK_K/32] e8m0 ->
-    [ROWS, BLOCK_K] bf16: exactly ``load_mxfp4_tile``'s values, for every code and scale byte.
+    [ROWS, BLOCK_K] bf16, exactly the values of the LUT reference ``dequant_mxfp4_torch`` (signed
+    zeros included) and of ``load_mxfp4_tile``, for every code and scale byte.
 
-    Decode: the nibble (s e1 e0 m) shifted into bf16 bits (sign -> 15, e1 e0 m -> 8..6) is
-    e2m1 * 2**-126 exactly (code 1 = 0.5 lands on the bf16 denormal 2**-127), in three integer
-    ops: ``((b << 28) >> 22) & 0x81C0`` (arithmetic shift: the sign is copied down to bit 15;
-    ``<< 24`` for the high nibble). Scale: times 2**(x - 1), x = max(e8m0, 1) (byte 0 read as
-    2**-126). That factor leaves bf16's range for x > 128, so it is split into two powers of two
-    F1 = 2**min(x - 1, 127), F2 = 2**max(x - 128, 0), bf16 bits ``(min(x, 128) + 126) << 7`` and
-    ``(max(x, 128) - 1) << 7``: (v * F1) * F2. Both products are exact (a 2-bit significand times a
-    power of two, the first never past 2**127 * 6 / 2**126 = 12), the second overflows to inf
-    exactly where fp32 does (|value| >= 2**128). F2 is 1 for every realistic scale (x <= 128:
-    weights below 12); per value that is 3 integer ops + 2 multiplies (bf16x2: one per pair).
-    FP32: the same values computed in fp32 (interpreter)."""
+    Decode: a nibble (s e1 e0 m) shifted into bf16 bits (sign -> 15, e1 e0 m -> 8..6) is
+    e2m1 * 2**-126 exactly (code 1 = 0.5 lands on the bf16 denormal 2**-127). Both nibbles of a
+    byte b at once, as the 32-bit word holding the bf16 pair (low half = even k: what the MMA
+    operand register holds): ``(b * 0x40040 | (b & 0xF8) * 0x1001000) & 0x81C081C0``; the first
+    product is b << 6 | b << 18 (magnitudes -> 8..6 and 24..22), the second puts the sign bits 3
+    and 7 on 15 and 31 (& 0xF8 keeps bits 2..0 off 24..22); the shifted copies never overlap, so
+    the products are ORs. 4 integer ops per byte (IMAD, LOP3, IMAD, LOP3 in the sm_90a SASS).
+    Scale: times 2**(x - 1), x = max(e8m0, 1) (byte 0 read as 2**-126). That factor leaves
+    bf16's range for x > 128, so it is split into F1 = 2**min(x - 1, 127) and F2 =
+    2**max(x - 128, 0), bf16 bits ``(min(x, 128) + 126) << 7`` and ``(max(x, 128) - 1) << 7``:
+    (v * F1) * F2. Both products are exact (a 2-bit significand times a power of two; the first is
+    at most 6 * 2**-126 * 2**127 = 12), the second overflows to inf exactly where fp32 does
+    (|value| >= 2**128); F2 is 1 at every realistic scale (x <= 128). On the GPU the multiplies
+    are ``mul.rn.bf16x2`` (inline PTX, sm_90+ and sm_12x) on the pair word as built: per value 2
+    integer ops + 1 multiply. (Per-element bf16 multiplies let ptxas re-pair the halves, with a
+    ``prmt`` per register to swap them back.) FP32 (interpreter): the same bits and factors in fp32."""
     b = wq.to(tl.int32)
     p = ((b * 0x40040) | ((b & 0xF8) * 0x1001000)) & -2118090304  # 0x81C081C0
     lo = p.to(tl.int16)
