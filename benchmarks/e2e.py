@@ -445,11 +445,14 @@ SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def engine_env(config_env: Mapping[str, str], llm_kwargs: dict, base: Mapping[str, str]) -> dict[str, str]:
-    """A configuration's own environment, plus ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` at TP > 1
-    unless ``base`` (the caller's environment) sets it: forked workers break once the child has
-    initialized CUDA (its torch.cuda checks, vLLM's start-up); spawned ones do not care."""
+    """A configuration's own environment, plus ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless
+    ``base`` (the caller's environment) sets it: the child's torch.cuda checks (``start_engine``)
+    initialize CUDA, and a forked engine core then fails with "Cannot re-initialize CUDA in
+    forked subprocess" (seen at TP = 1 on an H100, 8e7d4de); spawned processes do not care.
+    ``llm_kwargs`` is kept for callers (the TP size once decided it)."""
+    del llm_kwargs
     env = dict(config_env)
-    if tp_size(llm_kwargs) > 1 and SPAWN_ENV not in base:
+    if SPAWN_ENV not in base:
         env.setdefault(SPAWN_ENV, "spawn")
     return env
 

@@ -437,7 +437,8 @@ def test_dry_run_plan_carries_the_config_environment(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (m,) = json.loads(out.read_text())["models"]
     envs = {run["config"]: run["plan"]["env"] for run in m["runs"]}
-    assert envs == {"sm121": {}, "sm121-moe": {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}}
+    spawn = {} if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ else {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert envs == {"sm121": spawn, "sm121-moe": {"VLLM_SM121_MOE_EXPERIMENTAL": "1", **spawn}}
 
 
 def test_child_env_isolates_the_moe_opt_in():
@@ -527,9 +528,9 @@ def test_bad_parallel_flags_are_argparse_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_engine_env_spawns_workers_at_tp_only():
+def test_engine_env_spawns_engine_processes():
     tp2 = {"tensor_parallel_size": 2}
-    assert e2e.engine_env({}, {}, {}) == {}
+    assert e2e.engine_env({}, {}, {}) == {e2e.SPAWN_ENV: "spawn"}  # TP = 1 too: the child initialized CUDA
     assert e2e.engine_env({"A": "1"}, tp2, {}) == {"A": "1", e2e.SPAWN_ENV: "spawn"}
     # the caller's own choice stands (child_env passes it through)
     assert e2e.engine_env({}, tp2, {e2e.SPAWN_ENV: "fork"}) == {}
