@@ -509,8 +509,8 @@ GROUPED_BLOCK_M = (16, 32, 64, 128)
 # performance hyper-parameters, per architecture family: (largest average pairs per expert
 # M * topk / E, tiles), first match wins. BLOCK_M grows with the average so most experts fit one
 # tile (each extra tile re-reads the expert's weights; bound = 0.75 * BLOCK_M: at average 12 a
-# Poisson count exceeds 16 for ~10% of the experts). Not timed yet (the starting point for
-# benchmarks/moe.py --grouped-tiles); chosen from the AOT builds (ptxas, gpt-oss shapes): BLOCK_K
+# Poisson count exceeds 16 for ~10% of the experts). The first table (before the sweep) came
+# from the AOT builds (ptxas, gpt-oss shapes): BLOCK_K
 # 128 (64 bytes of each weight row per step), 128 weight rows per program (64 SwiGLU outputs in
 # FC1), 4 warps up to 32-token tiles; 8 from 64 tokens, where 4 warps spill (sm_90a FC2 at
 # BLOCK_M 64: 255 registers + 208 B of stack; 8 warps: 241, none); at 128 tokens sm_90 halves
@@ -519,10 +519,12 @@ GROUPED_BLOCK_M = (16, 32, 64, 128)
 # the compiled sizes). The interpreter: small tiles (its cost grows with the tile). Overridden at
 # call time, for every M, by VLLM_SM121_MOE_GROUPED_TILE="bm,bn,bk,warps,stages".
 GROUPED_TILES: dict[str, tuple[tuple[float, GroupedTiles], ...]] = {
-    _platform.SM90: ((12, GroupedTiles(16, 128, 128, 4, 3)), (24, GroupedTiles(32, 128, 128, 4, 3)),
-                     (48, GroupedTiles(64, 128, 128, 8, 3)), (float("inf"), GroupedTiles(128, 128, 64, 8, 3))),
-    _platform.SM12X: ((12, GroupedTiles(16, 128, 128, 4, 2)), (24, GroupedTiles(32, 128, 128, 4, 2)),
-                      (48, GroupedTiles(64, 128, 128, 8, 2)), (float("inf"), GroupedTiles(128, 64, 128, 8, 2))),
+    # H100 at 8e7d4de, 6 tiles x M = 1..4096 (docs/moe-grouped-sweep-h100-8e7d4de.json): 64-wide K
+    # steps with 4 warps win everywhere (fewer registers, more CTAs per SM); 16-token tiles up to
+    # M = 64, 32-token tiles at M = 512 and 4096 (where 64/128-token tiles lost 1.1-2.9x)
+    _platform.SM90: ((12, GroupedTiles(16, 128, 64, 4, 4)), (float("inf"), GroupedTiles(32, 128, 64, 4, 4))),
+    # sm_12x: the H100 choice with 2 stages (no GB10 to time it; ~99 KB of shared memory per block)
+    _platform.SM12X: ((12, GroupedTiles(16, 128, 64, 4, 2)), (float("inf"), GroupedTiles(32, 128, 64, 4, 2))),
     _platform.INTERPRETER: ((12, GroupedTiles(16, 64, 64, 4, 1)), (float("inf"), GroupedTiles(32, 64, 64, 4, 1))),
 }
 GROUPED_TILE_ENV = "VLLM_SM121_MOE_GROUPED_TILE"
@@ -637,7 +639,10 @@ FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
 # $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS (read at call time) turns it on for A/B runs.
 FMA_CHUNK_MAX_TOKENS = 0
 FMA_CHUNK_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS"
-DECODE_MAX_TOKENS = 8
+# H100 at 8e7d4de (docs/moe-grouped-sweep-h100-8e7d4de.json): the swap-AB grouped GEMMs take
+# M = 8 in 375 us against 675 us for the dot_scaled decode GEMVs, which keep M <= 4 only (122 us
+# at M = 1 vs 155 us grouped) for when the FMA path is switched off.
+DECODE_MAX_TOKENS = 4
 PATHS = ("auto", "fma", "decode", "grouped")
 
 

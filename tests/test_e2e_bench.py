@@ -483,13 +483,14 @@ def _tp_args(*extra: str):
 
 
 def test_parallel_flags_defaults_add_nothing():
-    """TP=1: the kwargs, environment and plan line stay what they were (vLLM's defaults)."""
+    """TP=1: the kwargs stay what they were (vLLM's defaults); the environment only gains the
+    spawn method every engine child gets (``engine_env``)."""
     args = _tp_args()
     assert args.tensor_parallel_size == 1 and args.enable_expert_parallel is False
     for run in args.plans[0].runs:
         assert "tensor_parallel_size" not in run["llm_kwargs"]
         assert "enable_expert_parallel" not in run["llm_kwargs"]
-        assert e2e.SPAWN_ENV not in run["env"]
+        assert run["env"].get(e2e.SPAWN_ENV, "spawn") == "spawn"
 
 
 def test_parallel_flags_reach_every_configuration(monkeypatch):

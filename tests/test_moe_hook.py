@@ -99,7 +99,7 @@ def _inputs(m: int, seed: int):
     return x, torch.arange(m), residual
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])  # decode path up to DECODE_MAX_TOKENS = 8, grouped above
+@pytest.mark.parametrize("m", [1, 3, 17])  # FMA path up to FMA_MAX_TOKENS = 4, grouped above
 def test_fused_block_matches_reference_and_upstream_forward(env, m):
     from vllm.forward_context import set_forward_context
 
