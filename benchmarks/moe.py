@@ -374,17 +374,40 @@ def header(device, copy_gbps) -> dict:
 
 
 def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
-    """Time the FMA decode path per tile (--fma-tiles) at each M <= 4: block, FC1, FC2+combine."""
+    """Time the FMA decode path per tile (--fma-tiles) at each M <= 4: block, FC1, FC2 + combine."""
     from vllm_sm121.kernels import moe as K
 
     w = weights
+
+    def parts(spec, x, logits, xq, xs, topk_ids, topk_w):
+        tiles = K.FmaTiles.parse(spec)
+        h, hs = K.moe_fc1_swiglu_fma(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids)
+        return (("block", lambda: K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                              w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk,
+                                              path="fma")),
+                ("fc1", lambda: K.moe_fc1_swiglu_fma(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                                     topk_ids, tiles)),
+                ("fc2", lambda: K.moe_fc2_combine_fma(h, hs, w["w2_weight"], w["w2_weight_scale"], w["w2_bias"],
+                                                      topk_ids, topk_w, tiles)))
+
+    return _tile_sweep(args, w, device, flush, copy_gbps, parts, name="FMA", provider="sm121_fma_tile",
+                       env=K.FMA_TILES_ENV, specs=args.fma_tiles,
+                       ms=[m for m in args.m if 0 < m <= K.FMA_KERNEL_MAX_TOKENS],
+                       title="FMA decode tile sweep (fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
+                             "[,fc2_warps,fc2_stages[,fc2_split]])")
+
+
+def _tile_sweep(args, w: dict, device, flush, copy_gbps, parts, *, name, provider, env, specs, ms, title) -> list[dict]:
+    """Shared loop of the tile sweeps: per M, route random tokens once; per tile spec, set ``env``
+    to it (restored afterwards) and time ``parts(spec, x, logits, xq, xs, topk_ids, topk_w)``
+    ((name, fn) pairs: block, fc1, fc2). A tile that fails to build or run is recorded as such."""
+    from vllm_sm121.kernels import moe as K
+
     records = []
-    ms = [m for m in args.m if 0 < m <= K.FMA_KERNEL_MAX_TOKENS]
-    print(f"\nFMA decode tile sweep (fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]); "
-          f"M = {ms}")
+    print(f"\n{title}; M = {ms}")
     print(TILE_TABLE_HEADER)
     best: dict[int, tuple[float, str]] = {}
-    saved = os.environ.get(K.FMA_TILES_ENV)
+    saved = os.environ.get(env)
     try:
         for m in ms:
             g = torch.Generator().manual_seed(m)
@@ -396,45 +419,28 @@ def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
             b_all = bytes_moved(args, moe_route_torch_ids(logits, args.topk))
             ref = None
             if args.refcheck:
-                from vllm_sm121.kernels.moe import moe_block_torch
-
-                ref = moe_block_torch(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
-                                      w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk)
-            h, hs = K.moe_fc1_swiglu_fma(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids)
-            for spec in args.fma_tiles:
-                rec = {"provider": "sm121_fma_tile", "tile": spec, "m": m, "bytes": b_all, "fc1_bytes": b_fc1,
+                ref = K.moe_block_torch(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                        w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk)
+            for spec in specs:
+                rec = {"provider": provider, "tile": spec, "m": m, "bytes": b_all, "fc1_bytes": b_fc1,
                        "fc2_bytes": b_fc2}
                 try:
-                    tiles = K.FmaTiles.parse(spec)
-                    os.environ[K.FMA_TILES_ENV] = spec
-
-                    def block():  # noqa: B023 (each is timed before the next tile)
-                        return K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
-                                           w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk, path="fma")
-
-                    def fc1():
-                        return K.moe_fc1_swiglu_fma(xq, xs, w["w13_weight"], w["w13_weight_scale"],  # noqa: B023
-                                                    w["w13_bias"], topk_ids, tiles)  # noqa: B023
-
-                    def fc2():
-                        return K.moe_fc2_combine_fma(h, hs, w["w2_weight"], w["w2_weight_scale"],  # noqa: B023
-                                                     w["w2_bias"], topk_ids, topk_w, tiles)  # noqa: B023
-
-                    res = _time_parts((("block", block), ("fc1", fc1), ("fc2", fc2)), args, device, flush)
+                    os.environ[env] = spec
+                    res = _time_parts(parts(spec, x, logits, xq, xs, topk_ids, topk_w), args, device, flush)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
                     rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                     records.append(rec)
-                    print(f"{spec:<26}{m:>4}  {rec['status']}")
+                    print(f"{spec:<26}{m:>5}  {rec['status']}")
                     continue
                 _tile_record(rec, res, spec, m, ref, copy_gbps, best)
                 records.append(rec)
     finally:
         if saved is None:
-            os.environ.pop(K.FMA_TILES_ENV, None)
+            os.environ.pop(env, None)
         else:
-            os.environ[K.FMA_TILES_ENV] = saved
+            os.environ[env] = saved
     for m, (us, spec) in sorted(best.items()):
-        print(f"fastest FMA tile at M={m}: {spec} ({us:.1f} us)")
+        print(f"fastest {name} tile at M={m}: {spec} ({us:.1f} us)")
     return records
 
 
@@ -479,63 +485,23 @@ def grouped_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[di
     from vllm_sm121.kernels import moe as K
 
     w = weights
-    records = []
-    ms = [m for m in args.m if m > 0]
-    print(f"\nGrouped (prefill) tile sweep (bm,bn,bk,warps,stages); M = {ms}")
-    print(TILE_TABLE_HEADER)
-    best: dict[int, tuple[float, str]] = {}
-    saved = os.environ.get(K.GROUPED_TILE_ENV)
-    try:
-        for m in ms:
-            g = torch.Generator().manual_seed(m)
-            x = torch.randn(m, args.hidden, generator=g).bfloat16().to(device)
-            logits = torch.randn(m, args.experts, generator=g).bfloat16().to(device)
-            topk_w, topk_ids, xq, xs = K.moe_route(logits, args.topk, x)
-            n_exp = int(topk_ids.unique().numel())
-            b_fc1, b_fc2 = n_exp * fc1_expert_bytes(args), n_exp * fc2_expert_bytes(args)
-            b_all = bytes_moved(args, moe_route_torch_ids(logits, args.topk))
-            ref = None
-            if args.refcheck:
-                ref = K.moe_block_torch(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
-                                        w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk)
-            h, hs = K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids)
-            for spec in args.grouped_tiles:
-                rec = {"provider": "sm121_grouped_tile", "tile": spec, "m": m, "bytes": b_all, "fc1_bytes": b_fc1,
-                       "fc2_bytes": b_fc2}
-                try:
-                    tiles = K.GroupedTiles.parse(spec)
-                    os.environ[K.GROUPED_TILE_ENV] = spec
-                    align = K.moe_align(topk_ids, args.experts, tiles.block_m)
 
-                    def block():  # noqa: B023 (each is timed before the next tile)
-                        return K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
-                                           w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk,
-                                           path="grouped")
+    def parts(spec, x, logits, xq, xs, topk_ids, topk_w):
+        tiles = K.GroupedTiles.parse(spec)
+        align = K.moe_align(topk_ids, args.experts, tiles.block_m)
+        h, hs = K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids,
+                                         align, tiles)
+        return (("block", lambda: K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
+                                              w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk,
+                                              path="grouped")),
+                ("fc1", lambda: K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"],
+                                                         w["w13_bias"], topk_ids, align, tiles)),
+                ("fc2", lambda: K.moe_fc2_grouped(h, hs, w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], topk_ids,
+                                                  topk_w, align, tiles)))
 
-                    def fc1():
-                        return K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"],  # noqa: B023
-                                                        w["w13_bias"], topk_ids, align, tiles)  # noqa: B023
-
-                    def fc2():
-                        return K.moe_fc2_grouped(h, hs, w["w2_weight"], w["w2_weight_scale"], w["w2_bias"],  # noqa: B023
-                                                 topk_ids, topk_w, align, tiles)  # noqa: B023
-
-                    res = _time_parts((("block", block), ("fc1", fc1), ("fc2", fc2)), args, device, flush)
-                except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
-                    rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                    records.append(rec)
-                    print(f"{spec:<26}{m:>5}  {rec['status']}")
-                    continue
-                _tile_record(rec, res, spec, m, ref, copy_gbps, best)
-                records.append(rec)
-    finally:
-        if saved is None:
-            os.environ.pop(K.GROUPED_TILE_ENV, None)
-        else:
-            os.environ[K.GROUPED_TILE_ENV] = saved
-    for m, (us, spec) in sorted(best.items()):
-        print(f"fastest grouped tile at M={m}: {spec} ({us:.1f} us)")
-    return records
+    return _tile_sweep(args, w, device, flush, copy_gbps, parts, name="grouped", provider="sm121_grouped_tile",
+                       env=K.GROUPED_TILE_ENV, specs=args.grouped_tiles, ms=[m for m in args.m if m > 0],
+                       title="Grouped (prefill) tile sweep (bm,bn,bk,warps,stages)")
 
 
 def moe_route_torch_ids(logits, topk):
