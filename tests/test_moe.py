@@ -269,12 +269,7 @@ def test_fma_block_path_matches_reference(device, m):
 
     hidden, i, e, topk = 64, 64, 8, 2
     g = torch.Generator().manual_seed(40)
-    w13 = torch.randint(0, 256, (e, 2 * i, hidden // 2), generator=g, dtype=torch.uint8)
-    w13_s = torch.randint(118, 122, (e, 2 * i, hidden // 32), generator=g, dtype=torch.uint8)
-    b13 = (torch.randn(e, 2 * i, generator=g) * 0.5).bfloat16()
-    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
-    w2_s = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
-    b2 = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
+    w13, w13_s, b13, w2, w2_s, b2 = random_moe_weights(e, hidden, i, g)
     x = torch.randn(m, hidden, generator=g).bfloat16()
     logits = torch.randn(m, e, generator=g).bfloat16()
     logits[2] = logits[0]  # tokens 0 and 2 share both experts
@@ -523,12 +518,7 @@ def test_grouped_block_with_env_tiles_matches_reference(device, monkeypatch):
 
     m, hidden, i, e, topk = 24, 64, 64, 4, 2  # ~12 pairs per expert: several 16-token tiles per expert
     g = torch.Generator().manual_seed(70)
-    w13 = torch.randint(0, 256, (e, 2 * i, hidden // 2), generator=g, dtype=torch.uint8)
-    w13_s = torch.randint(118, 122, (e, 2 * i, hidden // 32), generator=g, dtype=torch.uint8)
-    b13 = (torch.randn(e, 2 * i, generator=g) * 0.5).bfloat16()
-    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
-    w2_s = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
-    b2 = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
+    w13, w13_s, b13, w2, w2_s, b2 = random_moe_weights(e, hidden, i, g)
     x = torch.randn(m, hidden, generator=g).bfloat16()
     logits = torch.randn(m, e, generator=g).bfloat16()
     args = [w13, w13_s, b13, w2, w2_s, b2]
