@@ -106,6 +106,9 @@ def parse_args(argv=None):
     ap.add_argument("--fma-tiles", default="",
                     help="FMA decode tile sweep: 'fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
                          "[,fc2_warps,fc2_stages[,fc2_split]];...'")
+    ap.add_argument("--align", action="store_true",
+                    help="also time moe_align (one Triton launch) against moe_align_torch at each M "
+                         "(the grouped path's tile map, BLOCK_M of the tile table)")
     ap.add_argument("--grouped-tiles", default="",
                     help="grouped (prefill) tile sweep: 'bm,bn,bk,warps,stages;...'")
     ap.add_argument("--out", default=str(REPO_ROOT / "results" / "moe.json"))
@@ -504,6 +507,35 @@ def grouped_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[di
                        title="Grouped (prefill) tile sweep (bm,bn,bk,warps,stages)")
 
 
+def align_timing(args, device, flush) -> list[dict]:
+    """moe_align (Triton) vs moe_align_torch (the torch-op reference it replaces), p50 µs per M,
+    CUDA-graph replays; both outputs compared for equality."""
+    from vllm_sm121.kernels import moe as K
+
+    records = []
+    print(f"\nmoe_align: one Triton launch vs the torch ops; E = {args.experts}, top-{args.topk}")
+    print(f"{'M':>6}{'pairs':>8}{'BLOCK_M':>8}{'triton us':>11}{'torch us':>10}  equal")
+    for m in [m for m in args.m if m > 0]:
+        g = torch.Generator().manual_seed(m)
+        ids = K.moe_route(torch.randn(m, args.experts, generator=g).bfloat16().to(device), args.topk)[1]
+        bm = K.grouped_tiles(ids.device, m, args.topk, args.experts).block_m
+        row = {"m": m, "pairs": ids.numel(), "block_m": bm}
+        outs = {}
+        for name, fn in (("moe_align", K.moe_align), ("moe_align_torch", K.moe_align_torch)):
+            if device.type == "cuda":
+                times, out = time_graph(lambda: fn(ids, args.experts, bm), args.reps, flush)  # noqa: B023
+                us = pct(times, 0.5)
+            else:
+                out, us = fn(ids, args.experts, bm), float("nan")
+            outs[name] = out
+            records.append({"provider": name, **row, "us_p50": us})
+        equal = all(torch.equal(a, b) for a, b in zip(outs["moe_align"], outs["moe_align_torch"]))
+        for r in records[-2:]:
+            r["equal"] = equal
+        print(f"{m:>6}{ids.numel():>8}{bm:>8}{records[-2]['us_p50']:>11.1f}{records[-1]['us_p50']:>10.1f}  {equal}")
+    return records
+
+
 def moe_route_torch_ids(logits, topk):
     from vllm_sm121.kernels.moe import moe_route_torch
 
@@ -593,6 +625,8 @@ def main(argv=None) -> int:
         records += fma_tile_sweep(args, weights, device, flush, copy_gbps)
     if args.grouped_tiles:
         records += grouped_tile_sweep(args, weights, device, flush, copy_gbps)
+    if args.align:
+        records += align_timing(args, device, flush)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))

@@ -26,6 +26,7 @@ from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
+from .moe_details._moe_align import _moe_align_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
 from .moe_details._moe_fma import _moe_fc1_swiglu_fma_kernel, _moe_fc2_fma_kernel
@@ -219,6 +220,17 @@ def moe_specs(family: str) -> list[Spec]:
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
     # with bf16 input (MXFP8 round trip in registers) at the largest.
     tiles = [t for _, t in M.GROUPED_TILES[family]]
+    # Their tile map (moe_align, E = 128): M = 8 (32 pairs, 34 tiles) with the first tile's
+    # BLOCK_M and prefill (chunks of 16384 / E_PAD = 128 pairs and tiles) with every BLOCK_M;
+    # chunks and warps as moe_align picks them.
+    align_ptrs = dict(ids_ptr="*i32", sorted_pair_ptr="*i32", tile_expert_ptr="*i32", tile_start_ptr="*i32",
+                      tile_end_ptr="*i32")
+    for bm, chunk, tile_chunk, what in [(tiles[0].block_m, 32, 64, "M8")] + [
+            (bm, 128, 128, "prefill") for bm in sorted({t.block_m for t in tiles})]:
+        specs.append(Spec(
+            name=f"moe_align[E128, BLOCK_M {bm}, {what}]", fn=_moe_align_kernel,
+            constexprs=dict(E=128, E_PAD=128, BLOCK_M=bm, CHUNK=chunk, TILE_CHUNK=tile_chunk), ptr_types=align_ptrs,
+            num_warps=4 if max(chunk, tile_chunk) * 128 <= 4096 else 8))
     for t in tiles:
         for a_mxfp8 in (True, False) if t is tiles[-1] else (True,):
             specs.append(Spec(

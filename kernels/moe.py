@@ -73,6 +73,7 @@ import triton
 from vllm_sm121 import platform as _platform
 
 from . import _validate as V
+from .moe_details._moe_align import _moe_align_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
 from .moe_details._moe_fma import _moe_fc1_swiglu_fma_kernel, _moe_fc2_fma_kernel
@@ -443,13 +444,44 @@ def moe_route_torch(router_logits: torch.Tensor, topk: int,
 
 # ---- prefill: grouped GEMMs over expert-sorted pairs -------------------------------------------
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int | None = None):
     """Tile map for the grouped kernels, on the device with static shapes (graph-capturable).
 
     Returns (sorted_pair [P] int32: pair ids token * topk + slot sorted by expert (stable),
     tile_expert, tile_start, tile_end [NUM_TILES] int32) with NUM_TILES = cdiv(P, block_m) +
-    min(E, P), an upper bound of sum_e cdiv(count_e, block_m); unused tiles are empty.
+    min(E, P), an upper bound of sum_e cdiv(count_e, block_m); unused tiles are empty. Ids out of
+    [0, E) are clamped into it. One launch of ``_moe_align_kernel`` (``moe_details/_moe_align.py``),
+    identical to ``moe_align_torch``. ``chunk``: pairs (and tiles) per step of the kernel's loops,
+    a power of two (default: up to 16384 / E_PAD, ~64 one-hot entries per thread); tests only.
     """
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts={num_experts} and block_m={block_m} must be >= 1")
+    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk={chunk} must be a power of two")
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.long()  # as the reference's .long(); the kernel clamps int32 / int64 as loaded
+    flat = flat.contiguous()
+    p = flat.numel()
+    if p >= 2**30:  # int32 positions (+ a chunk) never overflow
+        raise ValueError(f"{p} pairs: moe_align takes fewer than 2**30")
+    num_tiles = -(-p // block_m) + min(num_experts, p)
+    dev = topk_ids.device
+    order = torch.empty(p, dtype=torch.int32, device=dev)
+    tile_e, tile_s, tile_t = (torch.empty(num_tiles, dtype=torch.int32, device=dev) for _ in range(3))
+    if p:
+        e_pad = triton.next_power_of_2(num_experts)
+        cap = chunk or max(1, 16384 // e_pad)  # one-hot [CHUNK, E_PAD] per step: 64 KB of shared memory
+        c = min(cap, max(16, triton.next_power_of_2(p)))
+        tc = min(cap, max(16, triton.next_power_of_2(num_tiles)))
+        _moe_align_kernel[(1,)](flat, order, tile_e, tile_s, tile_t, p, num_tiles, E=num_experts, E_PAD=e_pad,
+                                BLOCK_M=block_m, CHUNK=c, TILE_CHUNK=tc,
+                                num_warps=4 if max(c, tc) * e_pad <= 4096 else 8)
+    return order, tile_e, tile_s, tile_t
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Reference of ``moe_align`` (its previous implementation: ~10 torch ops, static shapes)."""
     flat = topk_ids.flatten().long().clamp(0, num_experts - 1)  # garbage ids never index out of bounds
     p = flat.numel()
     dev = topk_ids.device

@@ -568,3 +568,71 @@ def test_grouped_tiles_table_env_and_align_check(monkeypatch):
             torch.zeros(8, 128).bfloat16(), ids)
     with pytest.raises(ValueError, match="block_m=16"):
         K.moe_fc1_swiglu_grouped(a, None, *args, K.moe_align(ids, 8, 32), K.GroupedTiles(16, 64, 64, 4, 1))
+
+
+# ---- moe_align: the one-launch Triton tile map against its torch reference ---------------------
+
+ALIGN_CASES = [  # m, topk, e, block_m, chunk (None: the launcher's)
+    (1, 1, 8, 16, None),  # M = 1: one pair, one used tile + one empty
+    (1, 4, 6, 16, None),  # non-power-of-two E (E_PAD 8)
+    (8, 4, 128, 16, None),  # gpt-oss-120b decode-sized batch: mostly single-pair experts
+    (37, 4, 8, 16, 16),  # 10 chunks of 16 pairs, experts over several tiles
+    (50, 3, 12, 32, 16),  # non-power-of-two E, 32-pair tiles, 10 chunks
+    (600, 1, 16, 32, None),  # 600 pairs, default chunk (1024 for E_PAD 16): one chunk, 19+ tiles
+    (150, 4, 128, 16, None),  # 600 pairs in 5 default chunks of 128 (E_PAD 128), tile loop of 2 steps
+    (40, 3, 5, 2, 32),  # block_m 2 (any block_m is a valid map)
+]
+
+
+def _align_equal(ids, e, bm, device, chunk=None):
+    from vllm_sm121.kernels.moe import moe_align, moe_align_torch
+
+    got = moe_align(ids.to(device), e, bm, chunk=chunk)
+    want = moe_align_torch(ids, e, bm)
+    for name, g, w in zip(("sorted_pair", "tile_expert", "tile_start", "tile_end"), got, want):
+        assert g.dtype == torch.int32 and g.shape == w.shape, (name, g.dtype, g.shape, w.shape)
+        assert torch.equal(g.cpu(), w), (name, g.cpu(), w)
+    return want
+
+
+@pytest.mark.parametrize("m,topk,e,bm,chunk", ALIGN_CASES)
+def test_moe_align_kernel_equals_torch_reference(device, m, topk, e, bm, chunk):
+    """Random ids (repeats within a token included, some out of range): every output identical to
+    moe_align_torch -- the stable order within an expert, the empty tiles past the used ones."""
+    g = torch.Generator().manual_seed(1000 * m + e)
+    ids = torch.randint(0, e, (m, topk), generator=g, dtype=torch.int32)
+    order, te, ts, tt = _align_equal(ids, e, bm, device, chunk)
+    assert tt[-1] == ts[-1]  # NUM_TILES exceeds the used tiles: the last one is always empty
+    bad = ids.clone()
+    bad.view(-1)[:: 7] = -5
+    bad.view(-1)[3:: 11] = e + 3
+    _align_equal(bad, e, bm, device, chunk)
+
+
+@pytest.mark.parametrize("e,bm,chunk", [(8, 16, None), (12, 32, 16), (128, 16, None)])
+def test_moe_align_kernel_edge_cases(device, e, bm, chunk):
+    """All pairs on one expert (first, middle, last: stability over many chunks and tiles), ids
+    out of range in both directions and beyond int32 (int64 ids clamp before any narrowing), a
+    non-contiguous ids view, no pairs at all."""
+    for expert in (0, e // 2, e - 1):
+        _align_equal(torch.full((75, 4), expert, dtype=torch.int32), e, bm, device, chunk)
+    ids = torch.tensor([[-1, e], [-(2**31), 2**31 - 1], [e - 1, 0], [e + 100, -7]], dtype=torch.int32)
+    order, te, ts, tt = _align_equal(ids, e, bm, device, chunk)
+    assert set(te.tolist()) <= {0, e - 1}
+    wide = torch.tensor([[2**40 + 1, -(2**40)], [1, 2**33]], dtype=torch.int64)  # as int32: 1, 0, 1, 0
+    _align_equal(wide, e, bm, device, chunk)
+    assert moe_align_torch_tiles(wide, e, bm) == [0, 1, e - 1]  # clamped as int64: experts e-1, 0, 1, e-1
+    g = torch.Generator().manual_seed(e)
+    base = torch.randint(-2, e + 2, (4, 40), generator=g, dtype=torch.int32)
+    _align_equal(base.t(), e, bm, device, chunk)  # [40, 4] view, not contiguous
+    for empty in (torch.zeros(0, 4, dtype=torch.int32), torch.zeros(3, 0, dtype=torch.int32)):
+        out = _align_equal(empty, e, bm, device, chunk)
+        assert all(o.numel() == 0 for o in out)
+
+
+def moe_align_torch_tiles(ids, e, bm):
+    """tile_expert of the used (non-empty) tiles of the reference, for readable assertions."""
+    from vllm_sm121.kernels.moe import moe_align_torch
+
+    _, te, ts, tt = moe_align_torch(ids, e, bm)
+    return te[tt > ts].tolist()
