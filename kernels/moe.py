@@ -5,7 +5,7 @@ Architecture
     router logits: ``moe_route`` (top-k, softmax over the selected, as gpt-oss; NaN/inf-safe), then
     for small token counts the decode kernels ``moe_fc1_swiglu`` / ``moe_fc2_combine`` and for
     large ones the grouped GEMMs ``moe_fc1_swiglu_grouped`` / ``moe_fc2_grouped`` over pairs sorted
-    by expert (``moe_align``: torch ops with static shapes). Every path is graph-capturable: no
+    by expert (``moe_align``: one Triton launch up to ALIGN_TRITON_MAX_PAIRS pairs, torch ops above). Every path is graph-capturable: no
     host sync, shapes depend only on the token count.
 
     Prefill (grouped, ``moe_details/_moe_grouped.py``): swap-AB GEMMs, weight rows as the MMA's M
@@ -444,7 +444,15 @@ def moe_route_torch(router_logits: torch.Tensor, topk: int,
 
 # ---- prefill: grouped GEMMs over expert-sorted pairs -------------------------------------------
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int | None = None):
+# moe_align: the one-program Triton kernel beats the ~10 torch ops up to a few hundred pairs and
+# loses above (H200 at e7de1aa, docs/moe-align-h200-e7de1aa.json, E = 128 top-4: 6.2 / 9.1 / 25.4 /
+# 34.2 us vs 59.8 / 60.5 / 64.9 / 84.3 us at 4 / 32 / 128 / 256 pairs; 144 vs 91 us at 2048 and
+# 1,177 vs 146 us at 16,384). Larger P takes moe_align_torch (a shape-only choice: capturable).
+ALIGN_TRITON_MAX_PAIRS = 512
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int | None = None,
+              max_pairs: int = ALIGN_TRITON_MAX_PAIRS):
     """Tile map for the grouped kernels, on the device with static shapes (graph-capturable).
 
     Returns (sorted_pair [P] int32: pair ids token * topk + slot sorted by expert (stable),
@@ -453,6 +461,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: 
     [0, E) are clamped into it. One launch of ``_moe_align_kernel`` (``moe_details/_moe_align.py``),
     identical to ``moe_align_torch``. ``chunk``: pairs (and tiles) per step of the kernel's loops,
     a power of two (default: up to 16384 / E_PAD, ~64 one-hot entries per thread); tests only.
+    More than ``max_pairs`` pairs (default ALIGN_TRITON_MAX_PAIRS): ``moe_align_torch``, faster there.
     """
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"num_experts={num_experts} and block_m={block_m} must be >= 1")
@@ -465,6 +474,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: 
     p = flat.numel()
     if p >= 2**30:  # int32 positions (+ a chunk) never overflow
         raise ValueError(f"{p} pairs: moe_align takes fewer than 2**30")
+    if p > max_pairs:
+        return moe_align_torch(topk_ids, num_experts, block_m)
     num_tiles = -(-p // block_m) + min(num_experts, p)
     dev = topk_ids.device
     order = torch.empty(p, dtype=torch.int32, device=dev)

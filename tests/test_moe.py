@@ -587,7 +587,7 @@ ALIGN_CASES = [  # m, topk, e, block_m, chunk (None: the launcher's)
 def _align_equal(ids, e, bm, device, chunk=None):
     from vllm_sm121.kernels.moe import moe_align, moe_align_torch
 
-    got = moe_align(ids.to(device), e, bm, chunk=chunk)
+    got = moe_align(ids.to(device), e, bm, chunk=chunk, max_pairs=1 << 29)  # the kernel at every P
     want = moe_align_torch(ids, e, bm)
     for name, g, w in zip(("sorted_pair", "tile_expert", "tile_start", "tile_end"), got, want):
         assert g.dtype == torch.int32 and g.shape == w.shape, (name, g.dtype, g.shape, w.shape)
@@ -636,3 +636,19 @@ def moe_align_torch_tiles(ids, e, bm):
 
     _, te, ts, tt = moe_align_torch(ids, e, bm)
     return te[tt > ts].tolist()
+
+
+def test_moe_align_takes_the_torch_ops_above_the_pair_limit(monkeypatch):
+    """Above ALIGN_TRITON_MAX_PAIRS pairs (where the one-program kernel is slower) moe_align is the
+    torch reference; at or below it, the kernel (here: the reference is not called)."""
+    from vllm_sm121.kernels import moe as K
+
+    calls = []
+    real = K.moe_align_torch
+    monkeypatch.setattr(K, "moe_align_torch", lambda *a: calls.append(a) or real(*a))
+    lim = K.ALIGN_TRITON_MAX_PAIRS
+    big = torch.randint(0, 8, (lim // 4 + 1, 4), dtype=torch.int32)
+    assert all(torch.equal(g, w) for g, w in zip(K.moe_align(big, 8, 16), real(big, 8, 16))) and len(calls) == 1
+    small = torch.randint(0, 8, (2, 4), dtype=torch.int32)
+    K.moe_align(small, 8, 16, max_pairs=lim)
+    assert len(calls) == 1
