@@ -36,6 +36,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _one_hot(ids_ptr, offs, ok, experts, E: tl.constexpr):
+    """int32 [CHUNK, E_PAD]: 1 where pair ``offs`` (clamped to [0, E-1] in its own type, as the
+    reference's ``.long().clamp``) routes to expert column; rows past P all zero."""
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1).to(tl.int32)
+    return ((ids[:, None] == experts[None, :]) & ok[:, None]).to(tl.int32)
+
+
+@triton.jit
 def _moe_align_kernel(
     ids_ptr,  # [P] expert ids (int32 or int64), any values: clamped to [0, E - 1]
     sorted_pair_ptr,  # [P] int32 out: pair ids sorted by expert (stable)
@@ -58,9 +67,7 @@ def _moe_align_kernel(
     for c0 in range(0, P, CHUNK):
         offs = c0 + lanes
         ok = offs < P
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
-        ids = tl.minimum(tl.maximum(ids, 0), E - 1).to(tl.int32)
-        hit = ((ids[:, None] == experts[None, :]) & ok[:, None]).to(tl.int32)
+        hit = _one_hot(ids_ptr, offs, ok, experts, E)
         counts += tl.sum(hit, axis=0)
 
     # 2. segments and tiles per expert (padding experts: count 0, never counted as tile ends)
@@ -75,9 +82,7 @@ def _moe_align_kernel(
     for c0 in range(0, P, CHUNK):
         offs = c0 + lanes
         ok = offs < P
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
-        ids = tl.minimum(tl.maximum(ids, 0), E - 1).to(tl.int32)
-        hit = ((ids[:, None] == experts[None, :]) & ok[:, None]).to(tl.int32)
+        hit = _one_hot(ids_ptr, offs, ok, experts, E)
         rank = tl.cumsum(hit, axis=0)  # inclusive: 1 for the chunk's first pair of its expert
         pos = tl.sum(tl.where(hit != 0, base[None, :] + rank - 1, 0), axis=1)
         tl.store(sorted_pair_ptr + pos, offs, mask=ok)
