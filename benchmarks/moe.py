@@ -518,7 +518,7 @@ def align_timing(args, device, flush) -> list[dict]:
     for m in [m for m in args.m if m > 0]:
         g = torch.Generator().manual_seed(m)
         ids = K.moe_route(torch.randn(m, args.experts, generator=g).bfloat16().to(device), args.topk)[1]
-        bm = K.grouped_tiles(ids.device, m, args.topk, args.experts).block_m
+        bm = K.grouped_tiles(ids, m, args.topk, args.experts).block_m
         row = {"m": m, "pairs": ids.numel(), "block_m": bm}
         outs = {}
         for name, fn in (("moe_align", K.moe_align), ("moe_align_torch", K.moe_align_torch)):

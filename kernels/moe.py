@@ -56,9 +56,9 @@ Limitations
     ~42%, FC2 + combine at ~30%; FMA_TILES). Tensor / expert parallel shards (``moe_block``'s
     ``expert_map``) matched the unsharded block on the interpreter and, in vLLM at TP=2 / EP=2,
     TP=1 within the spread of that configuration on two H100s; their speed was not measured
-    separately. The swap-AB grouped GEMMs are tested on the interpreter and compiled for sm_121a /
-    sm_90a, not yet timed (the grouped kernels they replace: 5.7 ms per gpt-oss-120b layer at
-    M = 512 on an H100, 10% of copy bandwidth; GROUPED_TILES are untuned starting points). e8m0
+    separately. The swap-AB grouped GEMMs match the reference on an H100 (M = 16..2048) and run
+    M = 512 in 1.35 ms per gpt-oss-120b layer there (the kernels they replaced: 5.7 ms; vLLM's
+    ``triton_kernels``: 0.90 ms; GROUPED_TILES from that sweep, sm_12x untimed). e8m0
     byte 0 (2**-127) is read as 2**-126 (only all-zero blocks use it).
 """
 
@@ -552,15 +552,10 @@ GROUPED_BLOCK_M = (16, 32, 64, 128)
 # performance hyper-parameters, per architecture family: (largest average pairs per expert
 # M * topk / E, tiles), first match wins. BLOCK_M grows with the average so most experts fit one
 # tile (each extra tile re-reads the expert's weights; bound = 0.75 * BLOCK_M: at average 12 a
-# Poisson count exceeds 16 for ~10% of the experts). The first table (before the sweep) came
-# from the AOT builds (ptxas, gpt-oss shapes): BLOCK_K
-# 128 (64 bytes of each weight row per step), 128 weight rows per program (64 SwiGLU outputs in
-# FC1), 4 warps up to 32-token tiles; 8 from 64 tokens, where 4 warps spill (sm_90a FC2 at
-# BLOCK_M 64: 255 registers + 208 B of stack; 8 warps: 241, none); at 128 tokens sm_90 halves
-# BLOCK_K and sm_12x the rows (none spills: 177/254 and 233/255 registers for FC1/FC2). sm_90: 3
-# stages; sm_12x: 2 (~99 KB of shared memory per block on GB10; tests/test_aot_compile.py checks
-# the compiled sizes). The interpreter: small tiles (its cost grows with the tile). Overridden at
-# call time, for every M, by VLLM_SM121_MOE_GROUPED_TILE="bm,bn,bk,warps,stages".
+# Poisson count exceeds 16 for ~10% of the experts). 64- and 128-token tiles need 8 warps (4
+# spill) and lost on the H100; tests/test_aot_compile.py checks every entry compiles (sm_12x: ~99 KB
+# of shared memory per block on GB10). The interpreter: small tiles (its cost grows with the tile).
+# Overridden at call time, for every M, by VLLM_SM121_MOE_GROUPED_TILE="bm,bn,bk,warps,stages".
 GROUPED_TILES: dict[str, tuple[tuple[float, GroupedTiles], ...]] = {
     # H100 at 8e7d4de, 6 tiles x M = 1..4096 (docs/moe-grouped-sweep-h100-8e7d4de.json): 64-wide K
     # steps with 4 warps win everywhere (fewer registers, more CTAs per SM); 16-token tiles up to
@@ -573,21 +568,15 @@ GROUPED_TILES: dict[str, tuple[tuple[float, GroupedTiles], ...]] = {
 GROUPED_TILE_ENV = "VLLM_SM121_MOE_GROUPED_TILE"
 
 
-def _device_family(device: torch.device) -> str:
-    if device.type != "cuda":
-        return _platform.INTERPRETER
-    return _platform.device_family(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def grouped_tiles(device: torch.device, m: int, topk: int, num_experts: int) -> GroupedTiles:
+def grouped_tiles(t: torch.Tensor, m: int, topk: int, num_experts: int) -> GroupedTiles:
     """The grouped kernels' tiles for M tokens routed top-``topk`` over ``num_experts`` experts on
-    ``device``: $VLLM_SM121_MOE_GROUPED_TILE if set (read now), else the first GROUPED_TILES[family]
+    ``t``'s device: $VLLM_SM121_MOE_GROUPED_TILE if set (read now), else the first GROUPED_TILES[family]
     entry whose bound covers the average pairs per expert. From shapes only: graph-capturable."""
     env = os.environ.get(GROUPED_TILE_ENV, "").strip()
     if env:
         return GroupedTiles.parse(env)
     avg = m * topk / max(num_experts, 1)
-    return next(t for bound, t in GROUPED_TILES[_device_family(device)] if avg <= bound)
+    return next(tiles for bound, tiles in GROUPED_TILES[_platform.family_of(t)] if avg <= bound)
 
 
 def _grouped_align(align, topk_ids: torch.Tensor, e: int, tiles: GroupedTiles):
@@ -606,12 +595,12 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs.
 
     ``align``: ``moe_align(topk_ids, E, tiles.block_m)`` if already built; ``tiles``: default
-    ``grouped_tiles(a.device, M, topk, E)``. bf16 ``a`` is quantized to MXFP8 and back in
+    ``grouped_tiles(a, M, topk, E)``. bf16 ``a`` is quantized to MXFP8 and back in
     registers by every program (``moe_block`` quantizes once, in the routing launch, instead).
     """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     mxfp8 = a.dtype != torch.bfloat16
-    tiles = tiles or grouped_tiles(a.device, m, topk, e)
+    tiles = tiles or grouped_tiles(a, m, topk, e)
     block_n = tiles.block_n // 2  # SwiGLU outputs per program
     out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
@@ -651,7 +640,7 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
     """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H]); ``align`` and
     ``tiles`` as in ``moe_fc1_swiglu_grouped``."""
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
-    tiles = tiles or grouped_tiles(h.device, m, topk, e)
+    tiles = tiles or grouped_tiles(h, m, topk, e)
     part = torch.empty(m, topk, hidden, dtype=torch.float32, device=h.device)
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
@@ -720,11 +709,12 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     m = x.shape[0]
     if path == "auto":
         path = select_path(m)
+    # every path: routing and the MXFP8 quantization of bf16 x in one launch (not per FC1 program)
+    if x.dtype == torch.bfloat16:
+        topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)
+    else:
+        topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
     if path in ("fma", "decode"):
-        if x.dtype == torch.bfloat16:  # routing and the MXFP8 quantization of x in one launch
-            topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)
-        else:
-            topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
         if path == "fma":
             outs = []
             for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
@@ -735,13 +725,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
-    # grouped: x quantized to MXFP8 once, in the routing launch (not by each FC1 program); one tile
-    # choice (from the shapes) for moe_align and both GEMMs
-    if x.dtype == torch.bfloat16:
-        topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)
-    else:
-        topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
-    tiles = grouped_tiles(x.device, m, topk, w13.shape[0])
+    tiles = grouped_tiles(x, m, topk, w13.shape[0])  # one choice for moe_align and both GEMMs
     align = moe_align(topk_ids, w13.shape[0], tiles.block_m) if m else None
     h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles)
     return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles)

@@ -541,25 +541,24 @@ def test_grouped_tiles_table_env_and_align_check(monkeypatch):
     from vllm_sm121.kernels import moe as K
 
     monkeypatch.delenv(K.GROUPED_TILE_ENV, raising=False)
-    cpu = torch.device("cpu")
     assert set(K.GROUPED_TILES) == {P.SM90, P.SM12X, P.INTERPRETER}
     for fam, rows in K.GROUPED_TILES.items():
         assert rows[-1][0] == float("inf") and [b for b, _ in rows] == sorted(b for b, _ in rows), fam
     # BLOCK_M from the average pairs per expert: small batches get 16-token tiles
-    assert K.grouped_tiles(cpu, 8, 4, 128).block_m == 16
-    assert K.grouped_tiles(cpu, 512, 4, 4).block_m == 32
+    assert K.grouped_tiles(torch.empty(0), 8, 4, 128).block_m == 16
+    assert K.grouped_tiles(torch.empty(0), 512, 4, 4).block_m == 32
     sm90 = {avg: next(t for b, t in K.GROUPED_TILES[P.SM90] if avg <= b).block_m for avg in (0.25, 16, 40, 128)}
     assert sm90 == {0.25: 16, 16: 32, 40: 32, 128: 32}  # the H100 sweep's choice (kernels/moe.py)
     assert all(t.num_stages == 2 for _, t in K.GROUPED_TILES[P.SM12X])  # ~99 KB of shared memory on GB10
     # the override: any M, parsed at call time; errors name the variable
     monkeypatch.setenv(K.GROUPED_TILE_ENV, "32,128,64,8,2")
-    assert K.grouped_tiles(cpu, 1, 4, 128) == K.GroupedTiles(32, 128, 64, 8, 2)
+    assert K.grouped_tiles(torch.empty(0), 1, 4, 128) == K.GroupedTiles(32, 128, 64, 8, 2)
     assert K.GroupedTiles.parse(K.GroupedTiles(64, 256, 128, 4, 3).spec()) == K.GroupedTiles(64, 256, 128, 4, 3)
     for bad in ("32,128,64,8", "24,128,64,4,2", "32,96,64,4,2", "32,32,64,4,2", "32,128,48,4,2", "32,128,64,3,2",
                 "32,128,64,4,0", "a,b,c,d,e"):
         monkeypatch.setenv(K.GROUPED_TILE_ENV, bad)
         with pytest.raises(ValueError, match=K.GROUPED_TILE_ENV):
-            K.grouped_tiles(cpu, 64, 4, 128)
+            K.grouped_tiles(torch.empty(0), 64, 4, 128)
     monkeypatch.delenv(K.GROUPED_TILE_ENV)
     # an align map built for another block_m is refused (it could hold more pairs per tile)
     ids = torch.stack([torch.randperm(8)[:2] for _ in range(40)]).int()

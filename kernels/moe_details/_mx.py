@@ -42,30 +42,6 @@ def mxfp8_roundtrip(x, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def load_act_tile(a_ptr, a_scale_ptr, rows, row_ok, k0, K: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_K: tl.constexpr, A_MXFP8: tl.constexpr):
-    """Rows ``rows`` of contiguous activations [*, K], columns k0 .. k0+BLOCK_K -> fp32 [ROWS, BLOCK_K].
-
-    A_MXFP8: e4m3 bytes + [*, K/32] e8m0 scales, dequantized. Else bf16, quantized to MXFP8 and
-    back in registers (``mxfp8_roundtrip``), so both inputs give MXFP8-valued operands.
-    """
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = row_ok[:, None] & (offs_k[None, :] < K)
-    if A_MXFP8:
-        a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0)
-        a = tl.reshape(a.to(tl.float8e4nv, bitcast=True).to(tl.float32), [ROWS, BLOCK_K // 32, 32])
-        offs_kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        a_e = tl.load(a_scale_ptr + rows[:, None] * (K // 32) + offs_kg[None, :],
-                      mask=row_ok[:, None] & (offs_kg[None, :] < K // 32), other=127).to(tl.int32) - 127
-        return tl.reshape(a * _pow2(tl.maximum(a_e, -126))[:, :, None], [ROWS, BLOCK_K])
-    else:
-        a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        return mxfp8_roundtrip(a, ROWS, BLOCK_K)
-
-
-# ---- grouped (prefill) GEMM operands: exact bf16 in a few integer ops --------------------------
-
-@triton.jit
 def _bf16_bits(bits, FP32: tl.constexpr):
     """int32 holding bf16 bits in its low 16 -> that bf16 value (FP32: as fp32, exact: the
     interpreter stores bf16 as raw uint16 and cannot multiply it)."""
@@ -118,7 +94,7 @@ def mxfp4_tile_bf16(wq, ws, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.
 def mxfp8_tile_bf16(aq, a_s, BLOCK_K: tl.constexpr, COLS: tl.constexpr, FP32: tl.constexpr):
     """aq [BLOCK_K, COLS] uint8 e4m3 (K-major: tokens are the MMA's N) + a_s [BLOCK_K/32, COLS] e8m0
     -> [BLOCK_K, COLS] bf16 e4m3 * 2**(e8m0 - 127) (byte 0 read as 2**-126), the value
-    ``load_act_tile`` rounds to bf16 (exact unless below 2**-133, rounded the same way).
+    the fp32 MXFP8 dequantization rounds to in bf16 (exact unless below 2**-133, rounded the same way).
 
     Decode: the byte's sign -> bf16 bit 15, its 7 other bits -> bits 10..4 is e4m3 * 2**-120
     exactly (e4m3 denormals land on bf16 denormals; NaN codes are not special). Scale: times
