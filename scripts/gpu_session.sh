@@ -12,7 +12,7 @@ else
   eval "$(bash "$part/install.sh" | tail -1)" || exit 3
 fi
 python3 -c "import vllm" || { echo "vLLM is not importable"; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 4; }
+[ -n "${SM121_NO_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 4; }
 python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -68,6 +68,22 @@ for step in "$@"; do
              done; grep -A8 "^--- profile\|^CUDA API" "$OUT/profile.log" | head -n 80; (exit $fail) ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
+    par) # PAR="GPUS|VAR=val ...|step ... ;; GPUS|..." : the jobs at once, each on its own GPUs
+         # (CUDA_VISIBLE_DEVICES) with its VARs (tags keep result files apart), output in $OUT/par_<i>.log;
+         # then everything else under $OUT goes into $OUT/par.tgz (few files come back from the machine)
+         pids=(); i=0; jobs=${PAR//;;/$'\n'}
+         while IFS= read -r job; do
+           [ -n "${job// /}" ] || continue
+           gpus=${job%%|*}; rest=${job#*|}; vars=${rest%%|*}; steps=${rest#*|}; gpus=${gpus// /}
+           echo "par_$i: GPUs $gpus: $vars $steps"
+           bash -c "export CUDA_VISIBLE_DEVICES=$gpus SM121_NO_PIP=1; $vars bash scripts/gpu_session.sh '$part' $steps" \
+             > "$OUT/par_$i.log" 2>&1 &
+           pids+=($!); i=$((i+1))
+         done <<< "$jobs"
+         r=0; for p in "${pids[@]}"; do wait "$p" || r=1; done
+         for f in "$OUT"/par_*.log; do echo "--- $f"; grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" "$f" | tail -n 40; done
+         (cd "$OUT" && tar czf /tmp/par.tgz --exclude 'par_*.log' . && find . -mindepth 1 ! -name 'par_*.log' -delete \
+           && mv /tmp/par.tgz par.tgz); (exit $r) ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
