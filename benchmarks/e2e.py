@@ -176,8 +176,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-fp8dense-moe", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
            "SM121 + FP8 dense weights + the plugin's MoE (experimental opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
-    # Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
-    #        "SM121, whole-model graph"),
+    # Off by default until run on a GPU: issue 7's stage A (lm_head + greedy sampling in the graph).
+    Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
+           "SM121, whole-model graph mode stage A (in-graph lm_head + greedy sampling)", **OFF),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

@@ -190,6 +190,8 @@ def build_kwargs(args, hf: dict) -> dict:
     sm121 = {}
     if args.dense_fp8:
         sm121["dense_weights"] = "fp8"
+    if args.whole_model:
+        sm121["cudagraph"] = "whole_model"
     if sm121:
         kw["additional_config"] = {"sm121": sm121}
     return kw
@@ -204,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-experimental", action="store_true",
                     help="the plugin's MoE ($VLLM_SM121_MOE_EXPERIMENTAL=1; gated off by default)")
     ap.add_argument("--dense-fp8", action="store_true", help='additional_config sm121.dense_weights = "fp8"')
+    ap.add_argument("--whole-model", action="store_true",
+                    help='additional_config sm121.cudagraph = "whole_model" (issue 7, stage A: lm_head + greedy '
+                    "sampling inside the FULL decode graph; needs graphs, i.e. not --eager)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps between the two profiles (default 32)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--top", type=int, default=40, help="kernels printed (default 40)")
@@ -284,7 +289,8 @@ def main(argv=None) -> int:
                     per_step(counts[0][1], counts[1][1], args.steps), layers)
 
     print(f"\ndevice {torch.cuda.get_device_name()}  layers {layers}  steps {args.steps}  backend {args.backend}  "
-          f"eager {args.eager}  moe-experimental {args.moe_experimental}  dense-fp8 {args.dense_fp8}")
+          f"eager {args.eager}  moe-experimental {args.moe_experimental}  dense-fp8 {args.dense_fp8}  "
+          f"whole-model {args.whole_model}")
     print("\nCUDA API calls per decode step")
     for g, v in sorted(res["api_groups_per_step"].items(), key=lambda kv: -kv[1]):
         print(f"  {g:<16} {v:8.2f}")

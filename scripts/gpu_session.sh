@@ -66,6 +66,10 @@ for step in "$@"; do
                echo "--- profile $a: rc $r" | tee -a "$OUT/profile.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profile.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profile.log"; fi
              done; grep -A8 "^--- profile\|^CUDA API" "$OUT/profile.log" | head -n 80; (exit $fail) ;;
+    wholemodel) python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wholemodel.log" 2>&1; r=$?
+         grep -E "stats|passed|failed|Error" "$OUT/wholemodel.log" | head -n 20; tail -n 3 "$OUT/wholemodel.log"
+         for a in "" "--whole-model"; do python3 benchmarks/profile_step.py $a --out "$OUT/profile_wm$a.json" > "/tmp/profile_wm$a.log" 2>&1 \
+           && sed -n '/^device/,$p' "/tmp/profile_wm$a.log" | head -n 30 || tail -n 30 "/tmp/profile_wm$a.log"; done; (exit $r) ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     par) # PAR="GPUS|VAR=val ...|step ... ;; GPUS|..." : the jobs at once, each on its own GPUs

@@ -25,10 +25,13 @@ def _features() -> list[str]:
     compat.register_attention_backend()
     compat.register_drafter_inherits_sm121()
     compat.register_gpt_oss_dense_weights()
+    compat.register_whole_model_graph()
     attention = (f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME}; "
                  "speculative drafters follow it unless their config names a backend)")
     dense = "gpt-oss FP8 qkv/o/lm_head weights (--additional-config option sm121.dense_weights = fp8)"
-    return [attention, dense] + ([moe.register()] if moe.READY else [])
+    graphs = ("whole-model CUDA graphs, stage A: lm_head + greedy sampling in the FULL decode graph "
+              "(--additional-config option sm121.cudagraph = whole_model)")
+    return [attention, dense, graphs] + ([moe.register()] if moe.READY else [])
 
 
 def register() -> list[str]:

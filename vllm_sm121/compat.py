@@ -72,6 +72,28 @@ SHIMS: list[Shim] = [
                 "three methods in the plugin's gpt-oss quant config (get_quant_method -> "
                 "dense.method.dense_quant_method_for) and drop the wrapper",
     ),
+    Shim(
+        symbol="vllm.v1.worker.gpu_model_runner.GPUModelRunner (module attribute, rebound during init_device)",
+        why="Worker.init_device builds GPUModelRunner through a function-local import; there is no runner-class "
+            "hook, and the whole-model graph mode needs a runner subclass (vllm_sm121.graph.runner).",
+        how="vllm_sm121.graph.worker.WholeModelWorker.init_device binds the module attribute to "
+            "WholeModelRunner for the duration of super().init_device() (under a lock), then restores it.",
+        patch="0006-worker-model-runner-cls.patch",
+        removal="once upstream has Worker.model_runner_cls (the patch), set it on WholeModelWorker",
+    ),
+    Shim(
+        symbol="vllm.platforms.cuda.CudaPlatformBase.check_and_update_config (wrapped)",
+        why="General plugins get no call once the engine's VllmConfig is final, and the whole-model graph "
+            "option (--additional-config sm121.cudagraph = whole_model) must pick the worker class after "
+            "the platform resolved worker_cls 'auto'.",
+        how="Wrap the classmethod right after vllm/platforms/cuda.py is imported: after the original, "
+            "vllm_sm121.graph.tail.install_worker sets parallel_config.worker_cls to WholeModelWorker when "
+            "the option is on (ValueError naming the option for configurations it cannot run or a custom "
+            "--worker-cls); otherwise nothing changes.",
+        patch="0007-plugin-config-hook.patch",
+        removal="once upstream runs plugin config hooks on the final VllmConfig (the patch), register "
+                "install_worker there",
+    ),
 ]
 
 
@@ -207,3 +229,27 @@ def _install_gpt_oss_dense_hook(module) -> None:
 def register_gpt_oss_dense_weights() -> None:
     """Shim 0005: gpt-oss's qkv_proj / o_proj / lm_head get FP8 methods when "dense_weights" is "fp8"."""
     on_import("vllm.model_executor.models.gpt_oss", _install_gpt_oss_dense_hook)
+
+
+def _patch_cuda_platform_config(module) -> None:
+    import functools
+
+    base = module.CudaPlatformBase
+    original = base.__dict__["check_and_update_config"].__func__
+    if getattr(original, "_sm121_shim", False):
+        return
+
+    @functools.wraps(original)
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(cls, vllm_config)
+        from vllm_sm121.graph.tail import install_worker
+
+        install_worker(vllm_config)
+
+    check_and_update_config._sm121_shim = True
+    base.check_and_update_config = classmethod(check_and_update_config)
+
+
+def register_whole_model_graph() -> None:
+    """Shims 0006 + 0007: --additional-config sm121.cudagraph = whole_model installs WholeModelWorker."""
+    on_import("vllm.platforms.cuda", _patch_cuda_platform_config)

@@ -36,8 +36,10 @@ OPTIONS: dict[str, Option] = {
         Option("dense_weights", ("bf16", "fp8", "mxfp4"), ("bf16", "fp8"), "bf16",
                "gpt-oss qkv / o / lm_head weight format ('fp8': e4m3 + one fp32 scale per output channel, "
                "converted at load time; vllm_sm121/dense/)"),
-        Option("cudagraph", ("upstream", "whole_model"), ("upstream",), "upstream",
-               "'whole_model': one graph replay per decode step (sampler and drafter included)"),
+        Option("cudagraph", ("upstream", "whole_model"), ("upstream", "whole_model"), "upstream",
+               "'whole_model': lm_head + sampling inside the FULL decode graph (stage A: greedy batches of "
+               "<= 32 requests, single GPU, no speculative decoding; other batches fall back per batch; "
+               "vllm_sm121/graph/)"),
     )
 }
 

@@ -1,6 +1,8 @@
-"""Whole-model CUDA graph mode (issue 7) — building blocks only.
+"""Whole-model CUDA graph mode (issue 7).
 
-Nothing here is registered or reachable from the plugin's config yet: the
-``{"sm121": {"cudagraph": "whole_model"}}`` option is still refused by
-``vllm_sm121.config``. See :mod:`vllm_sm121.graph.sampler` for what exists.
+Stage A is wired (``--additional-config '{"sm121": {"cudagraph": "whole_model"}}'``):
+``tail`` (the in-graph lm_head + greedy argmax, eligibility, installation), ``runner``
+(``WholeModelRunner``), ``worker`` (``WholeModelWorker``). ``sampler`` is the capturable
+non-greedy sampler building block, not wired yet. Design and later stages:
+``docs/design-whole-model-graph.md``.
 """

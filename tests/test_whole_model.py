@@ -1,0 +1,291 @@
+"""Whole-model graph mode, stage A (vllm_sm121/graph/{tail,runner,worker}.py), on CPU: the
+option, its installation and refusals, which batches the tail covers, which batches may take
+its tokens, the tail's own arithmetic and the runner's per-step hand-over. GPU behaviour (graph
+capture, tokens equal to the mode off): tests/test_whole_model_gpu.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_sm121 import config as sm121_config
+from vllm_sm121.graph import tail as T
+
+ON = {"sm121": {"cudagraph": "whole_model"}}
+
+
+def _vllm_config(*, mode="FULL_AND_PIECEWISE", spec=None, tp=1, pp=1, dp=1, worker="vllm.v1.worker.gpu_worker.Worker",
+                 additional=ON):
+    from vllm.config import CUDAGraphMode
+
+    return types.SimpleNamespace(
+        additional_config=additional,
+        compilation_config=types.SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, mode)),
+        speculative_config=spec,
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                              data_parallel_size=dp, use_ubatching=False, worker_cls=worker))
+
+
+def test_option_is_implemented():
+    assert sm121_config.parse(ON).cudagraph == "whole_model"
+    assert "whole_model" in sm121_config.implemented("cudagraph")
+    with pytest.raises(ValueError, match="cudagraph"):
+        sm121_config.parse({"sm121": {"cudagraph": "whole-model"}})
+
+
+def test_install_worker_sets_the_worker_only_when_asked():
+    cfg = _vllm_config()
+    assert T.install_worker(cfg) is True
+    assert cfg.parallel_config.worker_cls == T.WORKER
+    assert T.install_worker(cfg) is True  # idempotent (the hook may run twice)
+    off = _vllm_config(additional={"sm121": {"dense_weights": "fp8"}})
+    assert T.install_worker(off) is False
+    assert off.parallel_config.worker_cls == T.STOCK_WORKER
+    assert T.install_worker(_vllm_config(additional=None)) is False
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="NONE"), "FULL CUDA graphs.*enforce-eager"),
+    (dict(mode="PIECEWISE"), "FULL CUDA graphs"),
+    (dict(spec=object()), "stage D"),
+    (dict(tp=2), "tensor 2"),
+    (dict(pp=2), "pipeline 2"),
+    (dict(worker="my.Worker"), "--worker-cls 'my.Worker'"),
+])
+def test_install_worker_refuses_with_the_option_named(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        T.install_worker(_vllm_config(**kw))
+    assert "cudagraph" in str(e.value) and "whole_model" in str(e.value)
+
+
+def test_platform_shim_wraps_check_and_update_config_once():
+    from vllm_sm121 import compat
+
+    class Base:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            if vllm_config.parallel_config.worker_cls == "auto":
+                vllm_config.parallel_config.worker_cls = T.STOCK_WORKER
+
+    module = types.SimpleNamespace(CudaPlatformBase=Base)
+    compat._patch_cuda_platform_config(module)
+    compat._patch_cuda_platform_config(module)  # second import hook: no double wrap
+    assert Base.__dict__["check_and_update_config"].__func__.__wrapped__.__name__ == "check_and_update_config"
+    cfg = _vllm_config(worker="auto")
+    Base.check_and_update_config(cfg)
+    assert cfg.parallel_config.worker_cls == T.WORKER
+    stock = _vllm_config(worker="auto", additional=None)
+    Base.check_and_update_config(stock)
+    assert stock.parallel_config.worker_cls == T.STOCK_WORKER
+    with pytest.raises(ValueError, match="FULL CUDA graphs"):
+        Base.check_and_update_config(_vllm_config(worker="auto", mode="NONE"))
+
+
+def test_shims_are_registered_for_the_real_platform_module():
+    from vllm_sm121 import compat
+
+    names = {s.patch for s in compat.SHIMS}
+    assert {"0006-worker-model-runner-cls.patch", "0007-plugin-config-hook.patch"} <= names
+
+
+def _ctx(mode="FULL", tokens=4, reqs=4, uniform=True, lora=False):
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    return types.SimpleNamespace(cudagraph_runtime_mode=getattr(CUDAGraphMode, mode),
+                                 batch_descriptor=BatchDescriptor(tokens, reqs, uniform, has_lora=lora))
+
+
+@pytest.mark.parametrize("ctx, want", [
+    (dict(), True),
+    (dict(tokens=32, reqs=32), True),
+    (dict(tokens=64, reqs=64), False),  # above max_rows
+    (dict(mode="PIECEWISE"), False),
+    (dict(mode="NONE"), False),
+    (dict(uniform=False), False),
+    (dict(tokens=8, reqs=2), False),  # spec-verify: 1+3 tokens per request
+    (dict(reqs=None), False),
+    (dict(lora=True), False),
+])
+def test_covers_only_full_uniform_single_token_decode(ctx, want):
+    assert T.covers(_ctx(**ctx), max_rows=32) is want
+    assert T.covers(types.SimpleNamespace(cudagraph_runtime_mode=None, batch_descriptor=None), 32) is False
+
+
+def _metadata(**kw):
+    base = dict(all_greedy=True, max_num_logprobs=None, logprob_token_ids=None, no_penalties=True,
+                allowed_token_ids_mask=None, bad_words_token_ids={})
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def _params(**kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, **kw})
+
+
+@pytest.mark.parametrize("meta, params, flags, reason", [
+    (dict(), [{}], {}, None),
+    (dict(), [{}, {"max_tokens": 3}], {}, None),
+    (dict(all_greedy=False), [{}], {}, "temperature > 0"),
+    (dict(max_num_logprobs=0), [{}], {}, "logprobs"),
+    (dict(logprob_token_ids={0: [1]}), [{}], {}, "logprobs"),
+    (dict(no_penalties=False), [{}], {}, "penalties"),
+    (dict(allowed_token_ids_mask=torch.zeros(1)), [{}], {}, "allowed_token_ids"),
+    (dict(bad_words_token_ids={0: [[1]]}), [{}], {}, "bad_words"),
+    (dict(), [{}, {"min_tokens": 2}], {}, "min_tokens"),
+    (dict(), [{"logit_bias": {3: 1.0}}], {}, "logit_bias"),
+    (dict(), [{}], {"custom_logits_processors": True}, "custom logits processors"),
+    (dict(), [{}], {"nans_in_logits": True}, "VLLM_COMPUTE_NANS_IN_LOGITS"),
+    (dict(), [], {}, "empty batch"),
+])
+def test_ineligible_reason(meta, params, flags, reason):
+    got = T.ineligible_reason(_metadata(**meta), [_params(**p) for p in params], **flags)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got
+
+
+def test_structured_output_falls_back():
+    from vllm.sampling_params import StructuredOutputsParams
+
+    p = _params(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert "structured output" in T.ineligible_reason(_metadata(), [p])
+
+
+class _Model(torch.nn.Module):
+    """hidden = embedding rows; logits = hidden @ W^T (bf16, as an lm_head)."""
+
+    def __init__(self, vocab=50, hidden=16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+        self.head = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+        self.marker = "the model's attribute"
+        self.logits_calls = 0
+
+    def forward(self, input_ids, positions=None):
+        return self.emb[input_ids]
+
+    def compute_logits(self, hidden):
+        self.logits_calls += 1
+        return hidden @ self.head.T
+
+
+def test_decode_tail_runs_on_covered_batches_only():
+    model = _Model()
+    state = {"ctx": _ctx(tokens=4, reqs=4)}
+    tail = T.DecodeTail(model, max_rows=8, device="cpu", get_context=lambda: state["ctx"])
+    ids = torch.tensor([3, 7, 11, 19])
+    out = tail(ids)
+    assert torch.equal(out, model.emb[ids])
+    want = model.compute_logits(model.emb[ids]).float().argmax(-1)
+    assert torch.equal(tail.tokens[:4], want) and tail.ran == 1
+    assert tail.sampled(3).dtype == torch.int32 and torch.equal(tail.sampled(3)[:, 0], want[:3].int())
+    assert tail.sampled(3).shape == (3, 1)
+    before = tail.tokens.clone()
+    for ctx in (_ctx(mode="PIECEWISE"), _ctx(tokens=8, reqs=2), _ctx(mode="NONE")):
+        state["ctx"] = ctx
+        tail(torch.tensor([1, 2, 3, 4]))
+        assert torch.equal(tail.tokens, before) and tail.ran == 1
+    assert tail.marker == "the model's attribute"  # attributes fall through to the model
+
+
+def test_decode_tail_argmax_ties_take_the_lowest_index_like_stock():
+    model = _Model()
+    model.head = torch.zeros_like(model.head)  # every logit 0: a tie over the whole vocabulary
+    tail = T.DecodeTail(model, max_rows=4, device="cpu", get_context=lambda: _ctx(tokens=2, reqs=2))
+    tail(torch.tensor([1, 2]))
+    assert tail.tokens[:2].tolist() == [0, 0]
+
+
+def test_claimed_step_skips_the_lm_head_once():
+    model = _Model()
+    tail = T.DecodeTail(model, max_rows=8, device="cpu", get_context=lambda: _ctx(mode="NONE"))
+    h = torch.randn(3, 16).to(torch.bfloat16)
+    calls = model.logits_calls
+    tail.claim()
+    stub = tail.compute_logits(h)
+    assert stub.shape == (3, 0) and model.logits_calls == calls
+    real = tail.compute_logits(h)  # the claim is consumed: the next call is the model's
+    assert real.shape == (3, 50) and model.logits_calls == calls + 1
+
+
+def test_step_wrapper_unwraps_to_the_model():
+    from vllm_sm121.graph.runner import StepGraphWrapper
+
+    model = _Model()
+    tail = T.DecodeTail(model, max_rows=4, device="cpu")
+    assert StepGraphWrapper.unwrap(types.SimpleNamespace(runnable=tail)) is model
+
+
+def _runner(monkeypatch, reason=None, ctx=None):
+    from vllm_sm121.graph import runner as R
+
+    r = object.__new__(R.WholeModelRunner)
+    model = _Model()
+    r._sm121_tail = T.DecodeTail(model, max_rows=8, device="cpu")
+    r._sm121_tail.tokens[:4] = torch.tensor([5, 6, 7, 8])
+    r._sm121_fallbacks, r._sm121_taken, r._sm121_take = {}, 0, False
+    r.input_batch = types.SimpleNamespace(num_reqs=3, update_async_output_token_ids=lambda: None)
+    monkeypatch.setattr(R.WholeModelRunner, "_sm121_reason", lambda self: reason)
+    import vllm.forward_context as fc
+
+    monkeypatch.setattr(fc, "get_forward_context", lambda: ctx or _ctx(tokens=4, reqs=4))
+    seen = {}
+    monkeypatch.setattr(R.GPUModelRunner, "_model_forward", lambda self, *a, **k: seen.setdefault("forward", True))
+    monkeypatch.setattr(R.GPUModelRunner, "_sample", lambda self, logits, spec: ("stock", logits))
+    return r, seen
+
+
+def test_runner_takes_the_graph_tokens_for_an_eligible_covered_step(monkeypatch):
+    r, seen = _runner(monkeypatch)
+    r._model_forward(input_ids=None)
+    assert seen["forward"] and r._sm121_take and r._sm121_tail.claimed
+    assert r._sm121_tail.compute_logits(torch.zeros(3, 16)).shape == (3, 0)
+    out = r._sample(None, None)
+    assert out.sampled_token_ids.tolist() == [[5], [6], [7]] and out.logprobs_tensors is None
+    assert r.sm121_graph_stats()["taken"] == 1
+    assert r._sample("L", None) == ("stock", "L")  # the hand-over is for one step only
+
+
+def test_runner_falls_back_per_batch_and_counts_the_reason(monkeypatch, caplog):
+    r, _ = _runner(monkeypatch, reason="logprobs requested")
+    for _ in range(3):
+        r._model_forward()
+        assert not r._sm121_take and not r._sm121_tail.claimed
+        assert r._sample("L", None) == ("stock", "L")
+    assert r.sm121_graph_stats()["fallbacks"] == {"logprobs requested": 3}
+
+
+def test_runner_leaves_uncovered_and_spec_steps_to_stock(monkeypatch):
+    r, _ = _runner(monkeypatch, ctx=_ctx(mode="PIECEWISE"))
+    r._model_forward()
+    assert not r._sm121_take and r.sm121_graph_stats()["fallbacks"] == {}
+    r._sm121_take = True
+    assert r._sample("L", object()) == ("stock", "L")  # spec-decode metadata: never the tail
+
+
+def test_worker_builds_the_runner_subclass_and_restores_the_module(monkeypatch):
+    import vllm.v1.worker.gpu_model_runner as M
+
+    from vllm_sm121.graph import worker as W
+    from vllm_sm121.graph.runner import WholeModelRunner
+
+    stock = M.GPUModelRunner
+    seen = {}
+    monkeypatch.setattr(W.Worker, "init_device", lambda self: seen.setdefault("cls", M.GPUModelRunner))
+    w = object.__new__(W.WholeModelWorker)
+    w.use_v2_model_runner = False
+    w.init_device()
+    assert seen["cls"] is WholeModelRunner and M.GPUModelRunner is stock
+    monkeypatch.setattr(W.Worker, "init_device", lambda self: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        w.init_device()
+    assert M.GPUModelRunner is stock  # restored on errors too
+    w.use_v2_model_runner = True
+    with pytest.raises(ValueError, match="V2_MODEL_RUNNER"):
+        w.init_device()

@@ -1,0 +1,98 @@
+"""The model runner of the whole-model graph mode, stage A (``vllm_sm121.graph.tail``).
+
+``WholeModelRunner`` is vLLM 0.26's ``GPUModelRunner`` with three changes, all inside methods
+vLLM itself calls; every batch the tail does not cover runs stock code unchanged:
+
+* ``load_model``: the FULL ``CUDAGraphWrapper`` is rebuilt around a :class:`DecodeTail` (before
+  any capture), so captured uniform-decode graphs end in lm_head + greedy argmax.
+* ``_model_forward`` (documented by vLLM as overridable): decides, per step, whether this batch
+  takes the graph's tokens (covered by a FULL replay, every request eligible); if so the tail's
+  ``compute_logits`` skips the eager lm_head for this step.
+* ``_sample``: returns the graph's tokens for such a step (``SamplerOutput`` as stock's greedy
+  path makes it), stock's sampler otherwise.
+"""
+
+from __future__ import annotations
+
+from vllm import envs
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
+from vllm.config import CUDAGraphMode
+from vllm.logger import init_logger
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from .tail import MAX_ROWS, SECTION_OPTION, DecodeTail, covers, ineligible_reason, unsupported_reason
+
+logger = init_logger("vllm.sm121.graph")
+
+
+class StepGraphWrapper(CUDAGraphWrapper):
+    """vLLM's FULL wrapper around a DecodeTail; ``unwrap()`` still gives the model itself."""
+
+    def unwrap(self):
+        return self.runnable.model
+
+
+class WholeModelRunner(GPUModelRunner):
+    _sm121_tail: DecodeTail | None = None
+    _sm121_fallbacks: dict
+    _sm121_taken: int = 0
+    _sm121_take: bool = False
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        why = unsupported_reason(self.vllm_config)
+        if why is None and type(self.model) is not CUDAGraphWrapper:
+            why = f"vLLM did not wrap the model in a FULL CUDAGraphWrapper (got {type(self.model).__name__})"
+        if why:
+            raise ValueError(f"{SECTION_OPTION}: {why}")
+        rows = min(MAX_ROWS, self.compilation_config.max_cudagraph_capture_size or MAX_ROWS)
+        self._sm121_tail = DecodeTail(self.model.unwrap(), rows, self.device)
+        self._sm121_fallbacks = {}
+        self._sm121_taken = 0
+        self.model = StepGraphWrapper(self._sm121_tail, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
+        logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
+                    "graphs of <= %d requests; other batches run stock vLLM's path", rows)
+
+    def _sm121_reason(self) -> str | None:
+        batch = self.input_batch
+        params = [self.requests[r].sampling_params for r in batch.req_ids[: batch.num_reqs]]
+        return ineligible_reason(
+            batch.sampling_metadata, params,
+            custom_logits_processors=bool(self.vllm_config.model_config.logits_processors),
+            nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS))
+
+    def _model_forward(self, *args, **kwargs):
+        tail = self._sm121_tail
+        if tail is not None:
+            tail.__dict__["claimed"] = False
+            self._sm121_take = False
+            from vllm.forward_context import get_forward_context
+
+            if covers(get_forward_context(), tail.max_rows):
+                why = self._sm121_reason()
+                if why is None:
+                    tail.claim()
+                    self._sm121_take = True
+                else:
+                    if why not in self._sm121_fallbacks:
+                        logger.info("sm121 whole-model graph: a batch falls back to stock sampling (%s); "
+                                    "further fallbacks for this reason are not logged", why)
+                    self._sm121_fallbacks[why] = self._sm121_fallbacks.get(why, 0) + 1
+        return super()._model_forward(*args, **kwargs)
+
+    def _sample(self, logits, spec_decode_metadata) -> SamplerOutput:
+        if spec_decode_metadata is None and self._sm121_take:
+            self._sm121_take = False
+            self._sm121_taken += 1
+            self.input_batch.update_async_output_token_ids()  # stock's side effect, kept
+            return SamplerOutput(sampled_token_ids=self._sm121_tail.sampled(self.input_batch.num_reqs),
+                                 logprobs_tensors=None)
+        return super()._sample(logits, spec_decode_metadata)
+
+    def sm121_graph_stats(self) -> dict:
+        """Decode steps that took the graph's tokens, fallbacks per reason, Python-side tail runs
+        (captures), the rows a tail covers."""
+        tail = self._sm121_tail
+        return {"taken": self._sm121_taken, "fallbacks": dict(getattr(self, "_sm121_fallbacks", {})),
+                "tail_runs": tail.ran if tail else 0, "max_rows": tail.max_rows if tail else 0}

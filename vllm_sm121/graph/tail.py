@@ -1,0 +1,177 @@
+"""Stage A of the whole-model CUDA graph mode (issue 7): lm_head + greedy sampling inside the
+FULL decode graph (design: ``docs/design-whole-model-graph.md`` section 4, Stage A).
+
+Import-light (torch only; vLLM is imported inside functions), so the eligibility and
+configuration checks are CPU-testable.
+
+:class:`DecodeTail` stands between vLLM's FULL ``CUDAGraphWrapper`` and the model. When the
+forward context says the call is a FULL uniform-decode batch of 1 token per request (the batches
+vLLM replays a FULL graph for) of at most ``max_rows`` rows, it runs, after the model,
+
+    logits = model.compute_logits(hidden[:P]);  tokens[:P] = argmax(fp32(logits))
+
+so capture puts the lm_head, the fp32 cast and the argmax into that graph and every replay
+leaves the greedy token of each row in the persistent ``tokens`` buffer. The runner
+(``vllm_sm121.graph.runner``) then skips the eager lm_head / sampler of stock vLLM for a batch
+whose every request is greedy with no option that changes logits (``ineligible_reason``); any
+other batch falls back, per batch, to stock vLLM's path (the graph's extra lm_head is then
+wasted work, not a wrong result), and the reason is logged once.
+
+Exactness: the ops are stock's greedy path (``vllm/v1/sample/sampler.py``: fp32 cast, argmax,
+lowest index on ties) on the same logits, computed for the P padded rows of the graph instead
+of the n real rows (n = P whenever the batch size is a capture size; otherwise the lm_head GEMM
+runs at another M, whose rounding may differ).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SECTION_OPTION = '--additional-config \'{"sm121": {"cudagraph": "whole_model"}}\''
+# Rows (requests) a tail covers: logits are [P, vocab] fp32 temporaries inside the graph
+# (gpt-oss: 0.8 MB per row), so large decode batches keep stock's path.
+MAX_ROWS = 32
+STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+WORKER = "vllm_sm121.graph.worker.WholeModelWorker"
+
+
+def _full_mode():
+    from vllm.config import CUDAGraphMode
+
+    return CUDAGraphMode.FULL
+
+
+def covers(ctx: Any, max_rows: int) -> bool:
+    """Whether a forward under context ``ctx`` is a FULL uniform decode of 1 token per request
+    and <= max_rows rows (the batches whose graph carries the tail)."""
+    bd = getattr(ctx, "batch_descriptor", None)
+    return (
+        bd is not None
+        and getattr(ctx, "cudagraph_runtime_mode", None) == _full_mode()
+        and bool(bd.uniform)
+        and bd.num_reqs is not None
+        and bd.num_reqs == bd.num_tokens
+        and 0 < bd.num_tokens <= max_rows
+        and not getattr(bd, "has_lora", False)
+    )
+
+
+def ineligible_reason(metadata: Any, params: list[Any], *, custom_logits_processors: bool = False,
+                      nans_in_logits: bool = False) -> str | None:
+    """Why a batch cannot take the graph's greedy tokens (None: it can). ``metadata``: vLLM's
+    ``SamplingMetadata`` of the persistent batch; ``params``: the requests' ``SamplingParams``.
+    Anything that changes greedy logits or needs them after the step falls back."""
+    if not params:
+        return "empty batch"
+    if custom_logits_processors:
+        return "custom logits processors are configured"
+    if nans_in_logits:
+        return "VLLM_COMPUTE_NANS_IN_LOGITS needs the logits"
+    if not metadata.all_greedy:
+        return "a request samples (temperature > 0; the graph's sampler is greedy-only in this stage)"
+    if metadata.max_num_logprobs is not None or getattr(metadata, "logprob_token_ids", None):
+        return "logprobs requested"
+    if not metadata.no_penalties:
+        return "penalties requested"
+    if metadata.allowed_token_ids_mask is not None:
+        return "allowed_token_ids requested"
+    if metadata.bad_words_token_ids:
+        return "bad_words requested"
+    for p in params:
+        if getattr(p, "min_tokens", 0):
+            return "min_tokens requested"
+        if getattr(p, "logit_bias", None):
+            return "logit_bias requested"
+        if getattr(p, "structured_outputs", None) is not None:
+            return "structured output requested"
+    return None
+
+
+class DecodeTail:
+    """The FULL wrapper's runnable: the model, plus the greedy tail on covered batches.
+
+    Attribute access falls through to the model (as ``CUDAGraphWrapper`` does to its runnable),
+    except ``compute_logits``, which returns a placeholder when the runner has claimed the
+    graph's tokens for this step (``take``), and the model's lm_head otherwise."""
+
+    def __init__(self, model: Any, max_rows: int, device: torch.device | str, get_context=None):
+        self.__dict__.update(model=model, max_rows=max_rows, claimed=False, ran=0,
+                             tokens=torch.zeros(max_rows, dtype=torch.int64, device=device),
+                             _stub=torch.empty((max_rows, 0), dtype=torch.float32, device=device),
+                             _get_context=get_context)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["model"], name)
+
+    def _context(self):
+        if self._get_context is not None:
+            return self._get_context()
+        from vllm.forward_context import get_forward_context
+
+        return get_forward_context()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and covers(self._context(), self.max_rows):
+            logits = self.model.compute_logits(out)
+            rows = logits.shape[0]
+            self.tokens[:rows].copy_(logits.to(torch.float32).argmax(dim=-1))
+            self.__dict__["ran"] += 1  # Python-side count: captures and eager runs, not replays
+        return out
+
+    def claim(self) -> None:
+        """The runner takes this step's graph tokens: the next ``compute_logits`` is skipped."""
+        self.__dict__["claimed"] = True
+
+    def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.claimed:
+            self.__dict__["claimed"] = False
+            return self._stub[: hidden_states.shape[0]]
+        return self.model.compute_logits(hidden_states, *args, **kwargs)
+
+    def sampled(self, n: int) -> torch.Tensor:
+        """[n, 1] int32 greedy tokens of the last replay, a fresh tensor (stock's dtype/shape:
+        the buffer itself is overwritten by the next replay while this step's copy to the host
+        may still be queued on another stream)."""
+        return self.tokens[:n].to(torch.int32).unsqueeze(-1)
+
+
+def unsupported_reason(vllm_config: Any) -> str | None:
+    """Why the engine configured in ``vllm_config`` cannot run the mode (None: it can)."""
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return (f"it needs FULL CUDA graphs (cudagraph_mode FULL or FULL_AND_PIECEWISE), got {mode}; "
+                "--enforce-eager turns graphs off")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding (Eagle3) under the mode is stage D, not built yet"
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1 or pc.tensor_parallel_size != 1 or pc.data_parallel_size != 1:
+        return (f"parallelism is not supported yet (tensor {pc.tensor_parallel_size}, pipeline "
+                f"{pc.pipeline_parallel_size}, data {pc.data_parallel_size}): the in-graph lm_head gather "
+                "under TP is untested")
+    if getattr(pc, "use_ubatching", False):
+        return "micro-batching (DBO) is not supported"
+    return None
+
+
+def install_worker(vllm_config: Any) -> bool:
+    """After vLLM's platform resolved ``worker_cls``: point it at the mode's worker when the
+    ``sm121`` section asks for ``cudagraph: whole_model``. Returns whether it did; raises
+    ValueError naming the option for a configuration the mode cannot run or a custom worker."""
+    from vllm_sm121 import config as sm121_config
+
+    cfg = sm121_config.parse(getattr(vllm_config, "additional_config", None))
+    if cfg.cudagraph != "whole_model":
+        return False
+    why = unsupported_reason(vllm_config)
+    if why:
+        raise ValueError(f"{SECTION_OPTION}: {why}")
+    pc = vllm_config.parallel_config
+    if pc.worker_cls not in (STOCK_WORKER, "auto", WORKER):
+        raise ValueError(f"{SECTION_OPTION} installs its own worker ({WORKER}); --worker-cls "
+                         f"{pc.worker_cls!r} is set: drop one of the two")
+    pc.worker_cls = WORKER
+    return True
