@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 # Families the plugin runs on, by compute-capability major version.
 SM90 = "sm_90"
@@ -130,9 +131,45 @@ NVFP4_HW_E2M1: dict[str, bool] = {SM12X: False}
 DEFAULT_SM_COUNT = {SM90: 132, SM12X: 48, INTERPRETER: 4}
 
 
+ATTN_TILE_ENV = "VLLM_SM121_ATTN_TILE"
+ATTN_TILE_KINDS = ("decode", "decode_nvfp4", "prefill", "prefill_sw")
+
+
+@functools.lru_cache(maxsize=8)
+def parse_attn_tile_env(text: str) -> dict[str, AttnTile]:
+    """$VLLM_SM121_ATTN_TILE = "kind=block_m,tile_n,num_warps,num_stages[;kind=...]" -> {kind: tile}
+    (every head size; kinds: decode, decode_nvfp4, prefill, prefill_sw). For sweeps, and for a
+    second, equally correct configuration whose numerics differ only in reduction order (the
+    tests' spread measure)."""
+    out: dict[str, AttnTile] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kind, _, vals = part.partition("=")
+        kind = kind.strip()
+        try:
+            nums = [int(v) for v in vals.split(",")]
+        except ValueError:
+            nums = []
+        if kind not in ATTN_TILE_KINDS or len(nums) != 4:
+            raise ValueError(f"{ATTN_TILE_ENV}={text!r}: expected kind=block_m,tile_n,num_warps,num_stages[;...] "
+                             f"with kind one of {', '.join(ATTN_TILE_KINDS)}; got {part!r}")
+        block_m, tile_n, warps, stages = nums
+        if not all(v > 0 and v & (v - 1) == 0 for v in (block_m, tile_n, warps)) or block_m < 16 or tile_n < 16 \
+                or not 1 <= stages <= 4:
+            raise ValueError(f"{ATTN_TILE_ENV}: {part!r}: block_m and tile_n must be powers of two >= 16, "
+                             "num_warps a power of two, num_stages 1..4")
+        out[kind] = AttnTile(block_m, tile_n, warps, stages)
+    return out
+
+
 def attn_tile(family: str, kind: str, head_size_padded: int) -> AttnTile:
     """The tile of (family, kind, head bucket); a kind "<base>_<variant>" without its own entry
-    (e.g. decode_nvfp4 on families not measured) uses the base kind's tile."""
+    (e.g. decode_nvfp4 on families not measured) uses the base kind's tile. $VLLM_SM121_ATTN_TILE
+    overrides kinds it names (``parse_attn_tile_env``)."""
+    env = os.environ.get(ATTN_TILE_ENV, "").strip()
+    if env:
+        tile = parse_attn_tile_env(env).get(kind)
+        if tile is not None:
+            return tile
     bucket = 64 if head_size_padded <= 64 else (128 if head_size_padded <= 128 else 256)
     key = (family, kind, bucket)
     if key not in ATTN_TILES and "_" in kind and kind.split("_")[0] == "decode":
