@@ -103,7 +103,10 @@ class DecodeTail:
                              _get_context=get_context)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["model"], name)
+        model = self.__dict__.get("model")
+        if model is None:  # half-built (copy / unpickling): no fall-through yet
+            raise AttributeError(name)
+        return getattr(model, name)
 
     def _context(self):
         if self._get_context is not None:
