@@ -3,9 +3,9 @@
 For gpt-oss decode (64 q / 8 KV heads, head_dim 64, sinks, full attention) at a few batch/context
 points, times SM121's paged attention with bf16, fp8 and nvfp4 pages over a small tile grid
 and, for nvfp4, the page loads (``NVFP4_VEC``: contiguous rows transposed in registers, or
-strided gathers); prints µs, KV bytes read
+strided gathers) and the inline-PTX decode (``NVFP4_ASM``, with gathers); prints µs, KV bytes read
 and % of the copy bandwidth measured in the same run, the best per (kv dtype, point), and the
-speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_VEC``.
+speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_VEC`` / ``NVFP4_ASM``.
 
     python benchmarks/tune_kv.py [--out tune_kv.json] [--quick]
 """
@@ -82,8 +82,9 @@ def main(argv=None) -> int:
         for kv in ("bf16", "fp8", "nvfp4"):
             inputs, elem = _pages(kv, base)
             kv_bytes = 2 * batch * ctx * HKV * D * elem
-            for tile, variant in itertools.product(tiles, ("gather", "vec") if kv == "nvfp4" else ("-",)):
+            for tile, variant in itertools.product(tiles, ("gather", "vec", "asm") if kv == "nvfp4" else ("-",)):
                 pa.NVFP4_VEC = variant == "vec"
+                pa.NVFP4_ASM = variant == "asm"
                 fn = lambda: paged_attention(**inputs, tile=tile, num_splits=splits)  # noqa: E731
                 try:
                     fn()
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
                     best[kv] = (us, tile, variant)
                 print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} {variant}: "
                       + (f"{us:8.1f} us  {rec['pct_bw']:5.1f}% BW" if err is None else err), flush=True)
-        pa.NVFP4_VEC = False
+        pa.NVFP4_VEC = pa.NVFP4_ASM = False
         b16 = best["bf16"][0]
         print(f"== B={batch} ctx={ctx}: best " + "  ".join(
             f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} variant={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))

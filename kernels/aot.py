@@ -105,6 +105,7 @@ def attention_specs(family: str) -> list[Spec]:
                 BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
                 USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
                 NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, E2M1_HW=False, NVFP4_VEC=False,
+                NVFP4_ASM=False,
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
@@ -112,17 +113,18 @@ def attention_specs(family: str) -> list[Spec]:
         ))
     tile = _platform.attn_tile(family, "decode_nvfp4", 64)
     # The hardware e2m1 conversion exists only on the sm_12x (and sm_100+) targets.
-    variants = [(False, False), (False, True)]
+    variants = [(False, False, False), (False, True, False), (False, False, True)]
     if family == _platform.SM12X:
-        variants += [(True, False), (True, True)]
-    for hw, vec in variants:
+        variants += [(True, False, False), (True, True, False)]
+    for hw, vec, asm in variants:
         specs.append(Spec(
-            name=f"paged_attention[decode,d64,nvfp4{'-hw-e2m1' if hw else ''}{'-vec' if vec else ''},all-features]",
+            name=(f"paged_attention[decode,d64,nvfp4{'-hw-e2m1' if hw else ''}{'-vec' if vec else ''}"
+                  f"{'-asm' if asm else ''},all-features]"),
             fn=_paged_attention_kernel,
             constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                             BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
                             USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False,
-                            E2M1_HW=hw, NVFP4_VEC=vec),
+                            E2M1_HW=hw, NVFP4_VEC=vec, NVFP4_ASM=asm),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
                            v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
                            query_start_loc_ptr="*i32"),
@@ -294,6 +296,46 @@ def compile_spec(spec: Spec, arch: int) -> Result:
                   getattr(kernel, "n_regs", None), ptx)
 
 
+def _cubin_sass(cubin: bytes) -> str:
+    import os
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"cuobjdump -sass failed ({proc.stderr.strip() or proc.returncode})")
+    return proc.stdout
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+_SASS_BACK_BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+def sass_loop(spec: Spec, arch: int) -> tuple[int, dict[str, int]]:
+    """Instructions of the largest loop with an MMA in ``spec``'s SASS (Triton's bundled
+    cuobjdump), and their opcode counts: a static proxy for the per-iteration cost where no GPU
+    can time it (the largest backward branch over an HMMA/HGMMA block is taken as the loop)."""
+    sig, attrs = _signature(spec)
+    kernel = triton.compile(ASTSource(spec.fn, sig, spec.constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+    sass = _cubin_sass(kernel.asm["cubin"])
+    lines = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
+    best: list[str] = []
+    for m in _SASS_BACK_BRA.finditer(sass):
+        end, start = int(m.group(1), 16), int(m.group(2), 16)
+        body = [op for a, op in lines if start <= a <= end]
+        if start < end and any(op.startswith(("HMMA", "HGMMA")) for op in body) and len(body) > len(best):
+            best = body
+    counts: dict[str, int] = {}
+    for op in best:
+        counts[op] = counts.get(op, 0) + 1
+    return len(best), dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def compile_all(arch: int) -> list[Result]:
     return [compile_spec(s, arch) for s in all_specs(ARCHS[arch])]
 
@@ -302,9 +344,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, nargs="+", default=[121, 90], choices=sorted(ARCHS))
     ap.add_argument("--json", help="also write {arch: {kernel: {instructions, shared_bytes, sm90_only}}} here")
+    ap.add_argument("--sass-loop", metavar="SUBSTRING",
+                    help="instead: SASS instructions of the MMA loop of every kernel whose name contains SUBSTRING")
     args = ap.parse_args(argv)
     if triton.knobs.runtime.interpret:
         raise SystemExit("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler")
+    if args.sass_loop:
+        for arch in args.arch:
+            for spec in all_specs(ARCHS[arch]):
+                if args.sass_loop in spec.name:
+                    try:
+                        n, ops = sass_loop(spec, arch)
+                    except RuntimeError as e:  # e.g. a cuobjdump without this architecture
+                        print(f"sm_{arch}a {spec.name}: no SASS ({e})")
+                        continue
+                    top = ", ".join(f"{k} {v}" for k, v in list(ops.items())[:16])
+                    print(f"sm_{arch}a {spec.name}: {n} instructions per iteration ({spec.num_warps} warps); {top}")
+        return 0
     bad = 0
     record = {}
     for arch in args.arch:

@@ -57,6 +57,12 @@ FILLED_GPU_MIN_SPLIT_TOKENS = 2048
 # broadcast in registers) instead of the strided byte gathers the AOT PTX shows
 # (ld.global.b8). Compiled and CPU-tested, not yet timed on a GPU: off until tune_kv says so.
 NVFP4_VEC = False
+# nvfp4 (bit-trick decode, i.e. not E2M1_HW): decode 4 cache bytes per inline-PTX block
+# (_e2m1_words_times_scale_f16: ~2.9 instead of ~4.5 sm_90a instructions per value; the decode
+# loop of the d64 decode kernel 2062 -> see `python -m vllm_sm121.kernels.aot --sass-loop nvfp4`).
+# Compiles for sm_90a and sm_121a (CI); the interpreter cannot run inline PTX, so it is checked
+# only by the GPU test (tests/test_fp4_kv.py, "asm"): off until that test and tune_kv have run.
+NVFP4_ASM = False
 
 
 @dataclasses.dataclass
@@ -322,6 +328,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
         E2M1_HW=kv_nvfp4 and _platform.NVFP4_HW_E2M1.get(family, False),
         NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
+        NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family != _platform.INTERPRETER,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

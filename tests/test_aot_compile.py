@@ -76,3 +76,24 @@ def test_grouped_moe_gemms_use_bf16_mma_with_tokens_as_n(record):
             want = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if arch == "sm_121a"
                     else f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16")
             assert mma == [want], (arch, name, mma)
+
+
+def test_nvfp4_decode_inline_ptx_variant_is_shorter_in_sm90_sass(record):
+    """Static proxy where no GPU can time it: the MMA loop of the d64 nvfp4 decode kernel with the
+    4-bytes-per-block inline-PTX decode (NVFP4_ASM) has well under the instructions of the
+    per-element bit trick (sm_90a SASS through Triton's bundled cuobjdump; 1659 vs 2062 at
+    b1e239a+1); both archs compiled it (ptxas accepted the inline PTX)."""
+    for arch in ("sm_90a", "sm_121a"):
+        assert "paged_attention[decode,d64,nvfp4-asm,all-features]" in record[arch]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_sm121.kernels.aot", "--arch", "90", "--sass-loop",
+                           "decode,d64,nvfp4"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    loops = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("sm_90a ") and "instructions per iteration" in line:
+            name = line.split()[1].rstrip(":")
+            loops[name] = int(line.split(": ")[1].split()[0])
+    base, asm = loops["paged_attention[decode,d64,nvfp4,all-features]"], loops["paged_attention[decode,d64,nvfp4-asm,all-features]"]
+    assert 0 < asm < 0.9 * base, loops

@@ -56,14 +56,19 @@ def test_page_view_rejects_wrong_size():
     ("mixed", [1, 6, 20], [50, 30, 20], 16, None),
     ("decode-split", [1], [70], None, 2),
 ])
-@pytest.mark.parametrize("vec", [False, True], ids=["gather", "vec"])
-def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, vec, monkeypatch):
+@pytest.mark.parametrize("variant", ["gather", "vec", "asm"])
+def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, variant, monkeypatch):
     """The attention kernel dequantizes NVFP4 pages in registers: it matches the reference on the
     same pages (dequantized by torch), so the tolerance measures the kernel only. Both page-load
-    variants (strided gathers, contiguous rows) are checked."""
+    variants (strided gathers, contiguous rows) are checked, and the inline-PTX decode (NVFP4_ASM,
+    GPU only: the interpreter cannot run inline PTX)."""
     import sys
 
-    monkeypatch.setattr(sys.modules["vllm_sm121.kernels.paged_attention"], "NVFP4_VEC", vec)
+    if variant == "asm" and device == "cpu":
+        pytest.skip("inline PTX: GPU only")
+    module = sys.modules["vllm_sm121.kernels.paged_attention"]
+    monkeypatch.setattr(module, "NVFP4_VEC", variant == "vec")
+    monkeypatch.setattr(module, "NVFP4_ASM", variant == "asm")
     from helpers import assert_close
     from vllm_sm121.kernels import paged_attention, paged_attention_torch
 
