@@ -56,12 +56,13 @@ def test_page_view_rejects_wrong_size():
     ("mixed", [1, 6, 20], [50, 30, 20], 16, None),
     ("decode-split", [1], [70], None, 2),
 ])
-@pytest.mark.parametrize("variant", ["gather", "vec", "asm"])
+@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q"])
 def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, variant, monkeypatch):
     """The attention kernel dequantizes NVFP4 pages in registers: it matches the reference on the
     same pages (dequantized by torch), so the tolerance measures the kernel only. Both page-load
     variants (strided gathers, contiguous rows) are checked, and the inline-PTX decode (NVFP4_ASM,
-    GPU only: the interpreter cannot run inline PTX)."""
+    GPU only: the interpreter cannot run inline PTX). "fp16-q": an fp16 model, which also runs the
+    fp16-operand MMA path under the interpreter (bf16 q takes fp32 dots there)."""
     import sys
 
     if variant == "asm" and device == "cpu":
@@ -91,7 +92,7 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
         slots += [int(block_table[i, t // bs]) * bs + t % bs for t in range(s)]
     kv = torch.randn(len(slots), 2, hkv, d, generator=g).bfloat16()
     fp4_kv_write_torch(kv[:, 0], kv[:, 1], kp, vp, torch.tensor(slots))
-    q = torch.randn(sum(q_lens), hq, d, generator=g).bfloat16()
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(torch.float16 if variant == "fp16-q" else torch.bfloat16)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     sinks = torch.randn(hq, generator=g)
