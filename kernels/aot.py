@@ -316,20 +316,21 @@ _SASS_BACK_BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`
 
 
 def sass_loop(spec: Spec, arch: int) -> tuple[int, dict[str, int]]:
-    """Instructions of the largest loop with an MMA in ``spec``'s SASS (Triton's bundled
-    cuobjdump), and their opcode counts: a static proxy for the per-iteration cost where no GPU
-    can time it (the largest backward branch over an HMMA/HGMMA block is taken as the loop)."""
+    """Instructions of the largest loop with an MMA (else the largest loop) in ``spec``'s SASS
+    (Triton's bundled cuobjdump), and their opcode counts: a static proxy for the per-iteration
+    cost where no GPU can time it (a loop = the span of a backward branch)."""
     sig, attrs = _signature(spec)
     kernel = triton.compile(ASTSource(spec.fn, sig, spec.constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
     sass = _cubin_sass(kernel.asm["cubin"])
     lines = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
-    best: list[str] = []
+    loops = []
     for m in _SASS_BACK_BRA.finditer(sass):
         end, start = int(m.group(1), 16), int(m.group(2), 16)
-        body = [op for a, op in lines if start <= a <= end]
-        if start < end and any(op.startswith(("HMMA", "HGMMA")) for op in body) and len(body) > len(best):
-            best = body
+        if start < end:
+            loops.append([op for a, op in lines if start <= a <= end])
+    with_mma = [b for b in loops if any(op.startswith(("HMMA", "HGMMA")) for op in b)]
+    best = max(with_mma or loops, key=len, default=[])
     counts: dict[str, int] = {}
     for op in best:
         counts[op] = counts.get(op, 0) + 1
