@@ -17,11 +17,11 @@ ON = {"sm121": {"cudagraph": "whole_model"}}
 
 
 def _vllm_config(*, mode="FULL_AND_PIECEWISE", spec=None, tp=1, pp=1, dp=1, worker="vllm.v1.worker.gpu_worker.Worker",
-                 additional=ON):
+                 additional=ON, v2=False):
     from vllm.config import CUDAGraphMode
 
     return types.SimpleNamespace(
-        additional_config=additional,
+        additional_config=additional, use_v2_model_runner=v2,
         compilation_config=types.SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, mode)),
         speculative_config=spec,
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -44,11 +44,15 @@ def test_install_worker_sets_the_worker_only_when_asked():
     assert T.install_worker(off) is False
     assert off.parallel_config.worker_cls == T.STOCK_WORKER
     assert T.install_worker(_vllm_config(additional=None)) is False
+    decode_only = _vllm_config(mode="FULL_DECODE_ONLY")
+    assert T.install_worker(decode_only) is True and decode_only.parallel_config.worker_cls == T.WORKER
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(mode="NONE"), "FULL CUDA graphs.*enforce-eager"),
-    (dict(mode="PIECEWISE"), "FULL CUDA graphs"),
+    (dict(mode="NONE"), "FULL decode graphs.*enforce-eager"),
+    (dict(mode="PIECEWISE"), "FULL decode graphs"),
+    (dict(mode="FULL"), "FULL replays decode batches as mixed graphs"),  # no uniform-decode keys: no tail
+    (dict(v2=True), "VLLM_USE_V2_MODEL_RUNNER=0"),
     (dict(spec=object()), "stage D"),
     (dict(tp=2), "tensor 2"),
     (dict(pp=2), "pipeline 2"),
@@ -79,7 +83,7 @@ def test_platform_shim_wraps_check_and_update_config_once():
     stock = _vllm_config(worker="auto", additional=None)
     Base.check_and_update_config(stock)
     assert stock.parallel_config.worker_cls == T.STOCK_WORKER
-    with pytest.raises(ValueError, match="FULL CUDA graphs"):
+    with pytest.raises(ValueError, match="FULL decode graphs"):
         Base.check_and_update_config(_vllm_config(worker="auto", mode="NONE"))
 
 
@@ -139,6 +143,7 @@ def _params(**kw):
     (dict(), [{"logit_bias": {3: 1.0}}], {}, "logit_bias"),
     (dict(), [{}], {"custom_logits_processors": True}, "custom logits processors"),
     (dict(), [{}], {"nans_in_logits": True}, "VLLM_COMPUTE_NANS_IN_LOGITS"),
+    (dict(), [{}], {"thinking_budget": True}, "thinking_token_budget"),
     (dict(), [], {}, "empty batch"),
 ])
 def test_ineligible_reason(meta, params, flags, reason):
@@ -214,6 +219,12 @@ def test_claimed_step_skips_the_lm_head_once():
     assert real.shape == (3, 50) and model.logits_calls == calls + 1
 
 
+def test_decode_tail_outside_a_forward_context_is_the_model():
+    model = _Model()
+    tail = T.DecodeTail(model, max_rows=4, device="cpu")  # vLLM's forward context: none set here
+    assert torch.equal(tail(torch.tensor([1, 2])), model.emb[torch.tensor([1, 2])]) and tail.ran == 0
+
+
 def test_step_wrapper_unwraps_to_the_model():
     from vllm_sm121.graph.runner import StepGraphWrapper
 
@@ -232,9 +243,7 @@ def _runner(monkeypatch, reason=None, ctx=None):
     r._sm121_fallbacks, r._sm121_taken, r._sm121_take = {}, 0, False
     r.input_batch = types.SimpleNamespace(num_reqs=3, update_async_output_token_ids=lambda: None)
     monkeypatch.setattr(R.WholeModelRunner, "_sm121_reason", lambda self: reason)
-    import vllm.forward_context as fc
-
-    monkeypatch.setattr(fc, "get_forward_context", lambda: ctx or _ctx(tokens=4, reqs=4))
+    monkeypatch.setattr(R, "current_context", lambda: ctx or _ctx(tokens=4, reqs=4))
     seen = {}
     monkeypatch.setattr(R.GPUModelRunner, "_model_forward", lambda self, *a, **k: seen.setdefault("forward", True))
     monkeypatch.setattr(R.GPUModelRunner, "_sample", lambda self, logits, spec: ("stock", logits))
@@ -289,3 +298,40 @@ def test_worker_builds_the_runner_subclass_and_restores_the_module(monkeypatch):
     w.use_v2_model_runner = True
     with pytest.raises(ValueError, match="V2_MODEL_RUNNER"):
         w.init_device()
+
+
+def test_runner_reason_sees_plugin_logits_processors_and_thinking_budgets():
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+
+    from vllm_sm121.graph import runner as R
+
+    class PluginProcessor:  # e.g. loaded from a vllm.logits_processors entry point
+        pass
+
+    r = object.__new__(R.WholeModelRunner)
+    r.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(logits_processors=None))
+    r.requests = {"a": types.SimpleNamespace(sampling_params=_params())}
+    builtin = [object.__new__(c) for c in BUILTIN_LOGITS_PROCESSORS]
+    meta = _metadata(logitsprocs=types.SimpleNamespace(all=builtin))
+    r.input_batch = types.SimpleNamespace(req_ids=["a"], num_reqs=1, sampling_metadata=meta, no_thinking_budget=True)
+    assert r._sm121_reason() is None
+    r.input_batch.no_thinking_budget = False
+    assert "thinking_token_budget" in r._sm121_reason()
+    r.input_batch.no_thinking_budget = True
+    meta.logitsprocs.all = builtin + [PluginProcessor()]
+    assert "custom logits processors" in r._sm121_reason()
+    meta.logitsprocs.all = builtin
+    r.vllm_config.model_config.logits_processors = ["my.Processor"]
+    assert "custom logits processors" in r._sm121_reason()
+
+
+def test_runner_refuses_to_capture_once_vllm_lowered_the_graph_mode(monkeypatch):
+    from vllm_sm121.graph import runner as R
+
+    monkeypatch.setattr(R.GPUModelRunner, "capture_model", lambda self: 7)
+    r = object.__new__(R.WholeModelRunner)
+    r.vllm_config = _vllm_config()
+    assert r.capture_model() == 7
+    r.vllm_config = _vllm_config(mode="PIECEWISE")
+    with pytest.raises(ValueError, match="after vLLM resolved the CUDA graph mode"):
+        r.capture_model()

@@ -21,7 +21,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from .tail import MAX_ROWS, SECTION_OPTION, DecodeTail, covers, ineligible_reason, unsupported_reason
+from .tail import MAX_ROWS, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason, unsupported_reason
 
 logger = init_logger("vllm.sm121.graph")
 
@@ -44,6 +44,8 @@ class WholeModelRunner(GPUModelRunner):
         why = unsupported_reason(self.vllm_config)
         if why is None and type(self.model) is not CUDAGraphWrapper:
             why = f"vLLM did not wrap the model in a FULL CUDAGraphWrapper (got {type(self.model).__name__})"
+        if why is None and getattr(self, "use_aux_hidden_state_outputs", False):
+            why = "the model returns auxiliary hidden states (Eagle3 target): stage D, not built yet"
         if why:
             raise ValueError(f"{SECTION_OPTION}: {why}")
         rows = min(MAX_ROWS, self.compilation_config.max_cudagraph_capture_size or MAX_ROWS)
@@ -54,22 +56,34 @@ class WholeModelRunner(GPUModelRunner):
         logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
                     "graphs of <= %d requests; other batches run stock vLLM's path", rows)
 
+    def capture_model(self) -> int:
+        # vLLM may still lower cudagraph_mode after load_model (backend support, in
+        # initialize_kv_cache); without FULL decode graphs the tail would silently never run.
+        why = unsupported_reason(self.vllm_config)
+        if why:
+            raise ValueError(f"{SECTION_OPTION}: after vLLM resolved the CUDA graph mode, {why}")
+        return super().capture_model()
+
     def _sm121_reason(self) -> str | None:
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+
         batch = self.input_batch
         params = [self.requests[r].sampling_params for r in batch.req_ids[: batch.num_reqs]]
+        metadata = batch.sampling_metadata
+        procs = getattr(metadata, "logitsprocs", None)
+        custom = bool(self.vllm_config.model_config.logits_processors) or (
+            procs is not None and any(type(p) not in BUILTIN_LOGITS_PROCESSORS for p in procs.all))
         return ineligible_reason(
-            batch.sampling_metadata, params,
-            custom_logits_processors=bool(self.vllm_config.model_config.logits_processors),
-            nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS))
+            metadata, params, custom_logits_processors=custom,
+            nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
+            thinking_budget=not getattr(batch, "no_thinking_budget", True))
 
     def _model_forward(self, *args, **kwargs):
         tail = self._sm121_tail
         if tail is not None:
             tail.__dict__["claimed"] = False
             self._sm121_take = False
-            from vllm.forward_context import get_forward_context
-
-            if covers(get_forward_context(), tail.max_rows):
+            if covers(current_context(), tail.max_rows):
                 why = self._sm121_reason()
                 if why is None:
                     tail.claim()

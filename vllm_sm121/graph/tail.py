@@ -43,6 +43,13 @@ def _full_mode():
     return CUDAGraphMode.FULL
 
 
+def current_context():
+    """vLLM's forward context, or None outside one (a runnable called with no context set)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
+
+
 def covers(ctx: Any, max_rows: int) -> bool:
     """Whether a forward under context ``ctx`` is a FULL uniform decode of 1 token per request
     and <= max_rows rows (the batches whose graph carries the tail)."""
@@ -59,14 +66,16 @@ def covers(ctx: Any, max_rows: int) -> bool:
 
 
 def ineligible_reason(metadata: Any, params: list[Any], *, custom_logits_processors: bool = False,
-                      nans_in_logits: bool = False) -> str | None:
+                      nans_in_logits: bool = False, thinking_budget: bool = False) -> str | None:
     """Why a batch cannot take the graph's greedy tokens (None: it can). ``metadata``: vLLM's
     ``SamplingMetadata`` of the persistent batch; ``params``: the requests' ``SamplingParams``.
     Anything that changes greedy logits or needs them after the step falls back."""
     if not params:
         return "empty batch"
     if custom_logits_processors:
-        return "custom logits processors are configured"
+        return "custom logits processors are configured (--logits-processors or a vllm.logits_processors plugin)"
+    if thinking_budget:
+        return "a thinking_token_budget is active (the sampler forces think-end tokens)"
     if nans_in_logits:
         return "VLLM_COMPUTE_NANS_IN_LOGITS needs the logits"
     if not metadata.all_greedy:
@@ -109,11 +118,7 @@ class DecodeTail:
         return getattr(model, name)
 
     def _context(self):
-        if self._get_context is not None:
-            return self._get_context()
-        from vllm.forward_context import get_forward_context
-
-        return get_forward_context()
+        return self._get_context() if self._get_context is not None else current_context()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.model(*args, **kwargs)
@@ -143,11 +148,15 @@ class DecodeTail:
 
 def unsupported_reason(vllm_config: Any) -> str | None:
     """Why the engine configured in ``vllm_config`` cannot run the mode (None: it can)."""
-    cc = vllm_config.compilation_config
-    mode = cc.cudagraph_mode
-    if mode is None or not mode.has_full_cudagraphs():
-        return (f"it needs FULL CUDA graphs (cudagraph_mode FULL or FULL_AND_PIECEWISE), got {mode}; "
-                "--enforce-eager turns graphs off")
+    from vllm.config import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or not (mode.separate_routine() and mode.decode_mode() == CUDAGraphMode.FULL):
+        return (f"it needs FULL decode graphs: cudagraph_mode FULL_AND_PIECEWISE (vLLM's default) or "
+                f"FULL_DECODE_ONLY, got {mode} (FULL replays decode batches as mixed graphs, which carry no "
+                "tail; --enforce-eager turns graphs off)")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "it extends vLLM's V1 model runner, and this model would run the V2 one: set VLLM_USE_V2_MODEL_RUNNER=0"
     if getattr(vllm_config, "speculative_config", None) is not None:
         return "speculative decoding (Eagle3) under the mode is stage D, not built yet"
     pc = vllm_config.parallel_config
