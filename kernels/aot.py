@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from vllm_sm121 import platform as _platform
 
+from .decode_inputs_details._decode_inputs import _advance_decode_inputs_kernel
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
@@ -278,9 +279,20 @@ def dense_specs(family: str) -> list[Spec]:
     return specs
 
 
+def graph_specs(family: str) -> list[Spec]:
+    """The whole-model graph mode's device-side input advance (two KV groups, 32 padded rows)."""
+    del family
+    return [Spec(name="advance_decode_inputs[2 groups, P32]", fn=_advance_decode_inputs_kernel,
+                 constexprs=dict(P=32, BS0=16, BS1=16, NUM_GROUPS=2, BLOCK=128),
+                 ptr_types=dict(tokens_ptr="*i64", num_reqs_ptr="*i32", input_ids_ptr="*i32", positions_ptr="*i64",
+                                seq_lens_ptr="*i32", bt0_ptr="*i32", slot0_ptr="*i64", bt1_ptr="*i32",
+                                slot1_ptr="*i64"),
+                 num_warps=4)]
+
+
 def all_specs(family: str) -> list[Spec]:
     return (attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
-            + moe_specs(family) + dense_specs(family))
+            + moe_specs(family) + dense_specs(family) + graph_specs(family))
 
 
 def compile_spec(spec: Spec, arch: int) -> Result:
