@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import SPAWN_ENV, _short_error, _version, _write_json, deep_merge, git_info, start_engine, wait_or_kill  # noqa: E402  (benchmarks/e2e.py)
+from e2e import _short_error, _version, _write_json, deep_merge, engine_env, git_info, start_engine, wait_or_kill  # noqa: E402  (benchmarks/e2e.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO_ROOT / "models"
@@ -442,7 +442,9 @@ def run_child(spec: dict, log_path: Path, timeout_s: float, verbose: bool) -> di
         tail: collections.deque[str] = collections.deque(maxlen=40)
         with log_path.open("w") as logf:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    errors="replace", env=run_env(os.environ),
+                                    errors="replace",
+                                    # unbuffered; workers spawned (the child touched CUDA first), as e2e.py
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env({}, {}, os.environ)),
                                     start_new_session=True)
 
             def pump() -> None:
@@ -692,15 +694,6 @@ def parse_args(argv=None):
     if args.out is None:
         args.out = "results/eagle_cost_dryrun.json" if args.dry_run else "results/eagle_cost.json"
     return args
-
-
-def run_env(base) -> dict[str, str]:
-    """A run's environment: unbuffered, and vLLM's workers spawned unless the caller chose
-    (the child initializes CUDA before LLM(...) forks its engine core: "Cannot re-initialize
-    CUDA in forked subprocess", seen on an H200 x4 at 188485b; e2e.py does the same)."""
-    env = dict(base, PYTHONUNBUFFERED="1")
-    env.setdefault(SPAWN_ENV, "spawn")
-    return env
 
 
 def make_header(args, device: dict | None) -> dict:

@@ -308,20 +308,24 @@ def test_runner_reason_sees_plugin_logits_processors_and_thinking_budgets():
     class PluginProcessor:  # e.g. loaded from a vllm.logits_processors entry point
         pass
 
-    r = object.__new__(R.WholeModelRunner)
-    r.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(logits_processors=None))
-    r.requests = {"a": types.SimpleNamespace(sampling_params=_params())}
     builtin = [object.__new__(c) for c in BUILTIN_LOGITS_PROCESSORS]
-    meta = _metadata(logitsprocs=types.SimpleNamespace(all=builtin))
-    r.input_batch = types.SimpleNamespace(req_ids=["a"], num_reqs=1, sampling_metadata=meta, no_thinking_budget=True)
-    assert r._sm121_reason() is None
-    r.input_batch.no_thinking_budget = False
-    assert "thinking_token_budget" in r._sm121_reason()
-    r.input_batch.no_thinking_budget = True
-    meta.logitsprocs.all = builtin + [PluginProcessor()]
-    assert "custom logits processors" in r._sm121_reason()
-    meta.logitsprocs.all = builtin
-    r.vllm_config.model_config.logits_processors = ["my.Processor"]
+
+    def runner(procs, configured=None, thinking=False):
+        r = object.__new__(R.WholeModelRunner)
+        r.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(logits_processors=configured))
+        r.requests = {"a": types.SimpleNamespace(sampling_params=_params())}
+        meta = _metadata(logitsprocs=types.SimpleNamespace(all=procs))
+        r.input_batch = types.SimpleNamespace(req_ids=["a"], num_reqs=1, sampling_metadata=meta,
+                                              no_thinking_budget=not thinking)
+        return r
+
+    assert runner(builtin)._sm121_reason() is None
+    assert "thinking_token_budget" in runner(builtin, thinking=True)._sm121_reason()
+    assert "custom logits processors" in runner(builtin + [PluginProcessor()])._sm121_reason()
+    assert "custom logits processors" in runner(builtin, configured=["my.Processor"])._sm121_reason()
+    r = runner(builtin + [PluginProcessor()])
+    r._sm121_reason()
+    r.input_batch.sampling_metadata.logitsprocs = None  # the batch's processors are built once: the answer is kept
     assert "custom logits processors" in r._sm121_reason()
 
 

@@ -157,8 +157,8 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # Triton's CPU interpreter mis-computes bf16 tl.dot: upcast there
     E2M1_HW: tl.constexpr,  # nvfp4: hardware e2m1x2 -> f16x2 conversion (sm_12x only; never on sm_90)
-    NVFP4_VEC: tl.constexpr,
-    NVFP4_ASM: tl.constexpr,  # nvfp4, bit-trick decode: 4 bytes per inline-PTX block (not for the interpreter)  # nvfp4: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
+    NVFP4_VEC: tl.constexpr,  # nvfp4: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
+    NVFP4_ASM: tl.constexpr,  # nvfp4, bit-trick decode: 4 bytes per inline-PTX block (not for the interpreter)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)

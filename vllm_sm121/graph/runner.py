@@ -64,17 +64,26 @@ class WholeModelRunner(GPUModelRunner):
             raise ValueError(f"{SECTION_OPTION}: after vLLM resolved the CUDA graph mode, {why}")
         return super().capture_model()
 
-    def _sm121_reason(self) -> str | None:
-        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+    def _sm121_custom_logitsprocs(self, metadata) -> bool:
+        """Whether any logits processor beyond vLLM's built-ins exists (--logits-processors or a
+        vllm.logits_processors plugin). The persistent batch builds its processors once, so this
+        is computed on the first step and kept."""
+        custom = self.__dict__.get("_sm121_custom")
+        if custom is None:
+            from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
 
+            procs = getattr(metadata, "logitsprocs", None)
+            custom = bool(self.vllm_config.model_config.logits_processors) or (
+                procs is not None and any(type(p) not in BUILTIN_LOGITS_PROCESSORS for p in procs.all))
+            self._sm121_custom = custom
+        return custom
+
+    def _sm121_reason(self) -> str | None:
         batch = self.input_batch
         params = [self.requests[r].sampling_params for r in batch.req_ids[: batch.num_reqs]]
         metadata = batch.sampling_metadata
-        procs = getattr(metadata, "logitsprocs", None)
-        custom = bool(self.vllm_config.model_config.logits_processors) or (
-            procs is not None and any(type(p) not in BUILTIN_LOGITS_PROCESSORS for p in procs.all))
         return ineligible_reason(
-            metadata, params, custom_logits_processors=custom,
+            metadata, params, custom_logits_processors=self._sm121_custom_logitsprocs(metadata),
             nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
             thinking_budget=not getattr(batch, "no_thinking_budget", True))
 

@@ -123,9 +123,11 @@ class DecodeTail:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.model(*args, **kwargs)
         if isinstance(out, torch.Tensor) and covers(self._context(), self.max_rows):
+            from vllm.v1.sample.sampler import Sampler
+
             logits = self.model.compute_logits(out)
-            rows = logits.shape[0]
-            self.tokens[:rows].copy_(logits.to(torch.float32).argmax(dim=-1))
+            # stock's greedy path: fp32 logits, Sampler.greedy_sample (argmax, lowest index on ties)
+            self.tokens[: logits.shape[0]].copy_(Sampler.greedy_sample(logits.to(torch.float32)))
             self.__dict__["ran"] += 1  # Python-side count: captures and eager runs, not replays
         return out
 
