@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     from vllm_sm121.platform import AttnTile
 
     pa = sys.modules["vllm_sm121.kernels.paged_attention"]
+    defaults = (pa.NVFP4_VEC, pa.NVFP4_ASM)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_copy_bandwidth(torch.device("cuda"))["gbps"] * 1e9
     points = [(8, 32768), (32, 32768), (1, 131072)] if not args.quick else [(32, 32768)]
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                     best[kv] = (us, tile, variant)
                 print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} {variant}: "
                       + (f"{us:8.1f} us  {rec['pct_bw']:5.1f}% BW" if err is None else err), flush=True)
-        pa.NVFP4_VEC = pa.NVFP4_ASM = False
+        pa.NVFP4_VEC, pa.NVFP4_ASM = defaults
         b16 = best["bf16"][0]
         print(f"== B={batch} ctx={ctx}: best " + "  ".join(
             f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} variant={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))

@@ -57,12 +57,14 @@ FILLED_GPU_MIN_SPLIT_TOKENS = 2048
 # broadcast in registers) instead of the strided byte gathers the AOT PTX shows
 # (ld.global.b8). Compiled and CPU-tested, not yet timed on a GPU: off until tune_kv says so.
 NVFP4_VEC = False
-# nvfp4 (bit-trick decode, i.e. not E2M1_HW): decode 4 cache bytes per inline-PTX block
-# (_e2m1_words_times_scale_f16: ~2.9 instead of ~4.5 sm_90a instructions per value; the decode
-# loop of the d64 decode kernel 2062 -> see `python -m vllm_sm121.kernels.aot --sass-loop nvfp4`).
-# Compiles for sm_90a and sm_121a (CI); the interpreter cannot run inline PTX, so it is checked
-# only by the GPU test (tests/test_fp4_kv.py, "asm"): off until that test and tune_kv have run.
-NVFP4_ASM = False
+# nvfp4 (bit-trick decode, i.e. not E2M1_HW: the sm_90 path; sm_12x converts in hardware):
+# decode 4 cache bytes per inline-PTX block (_e2m1_words_times_scale_f16: ~2.9 instead of ~4.5
+# sm_90a instructions per value; `python -m vllm_sm121.kernels.aot --sass-loop nvfp4`). GPU test
+# tests/test_fp4_kv.py "asm" passed on an H100 (2026-11-27, commit 9757ff3), and
+# benchmarks/tune_kv.py there, at the (16, 128, 4, 3) tile: b8 ctx32k 168.4 us (gather 191.7,
+# bf16 200.2), b32 ctx32k 631.2 (726.6; bf16 732.2), b1 ctx128k 92.4 (103.6; bf16 111.0).
+# The interpreter cannot run inline PTX: it always takes the per-element decode.
+NVFP4_ASM = True
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ for step in "$@"; do
     e2e120b) python3 benchmarks/e2e.py --model models/gpt-oss-120b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-} --out "$OUT/e2e_120b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_120b${E2E_TAG:-}.log" | tail -n 60 ;;
     e2etp) python3 benchmarks/e2e.py --model models/gpt-oss-120b --tensor-parallel-size "${E2E_TP:-2}" --configs "${E2E_CONFIGS:-upstream-default,sm121-nvfp4kv}" ${E2E_ARGS:-} --out "$OUT/e2e_120b_${E2E_TAG:-tp2}.json" 2>&1 | tee "$OUT/e2e_120b_${E2E_TAG:-tp2}.log" | tail -n 60 ;;
     tptests) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -q -m gpu tests/test_tp_gpu.py ${TP_K:+-k "$TP_K"} -s -p no:cacheprovider 2>&1 | tee "$OUT/tptests.log" | tail -n 40 ;;
-    e2e20b) python3 benchmarks/e2e.py --model models/gpt-oss-20b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$OUT/e2e_20b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_20b${E2E_TAG:-}.log" | tail -n 60 ;;
+    e2e20b) python3 benchmarks/e2e.py --model models/gpt-oss-20b ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-} --out "$OUT/e2e_20b${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_20b${E2E_TAG:-}.log" | tail -n 60 ;;
     tune) python3 benchmarks/tune_attention.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -n 80 ;;
     serve) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 4 --log "$OUT/serve_fp.log" -- --max-cudagraph-capture-size 8 ;;
     servefull) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --stagger 0.03 --log "$OUT/serve_full.log" -- -cc.cudagraph_mode=FULL --max-cudagraph-capture-size 512 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
@@ -67,7 +67,7 @@ for step in "$@"; do
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profile.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profile.log"; fi
              done; grep -A8 "^--- profile\|^CUDA API" "$OUT/profile.log" | head -n 80; (exit $fail) ;;
     wholemodel) python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wholemodel.log" 2>&1; r=$?
-         grep -E "stats|passed|failed|Error" "$OUT/wholemodel.log" | head -n 20; tail -n 3 "$OUT/wholemodel.log"
+         grep -E "stats|verification|mode on|control|passed|failed|Error|^E " "$OUT/wholemodel.log" | head -n 30; tail -n 3 "$OUT/wholemodel.log"
          for a in "" "--whole-model"; do python3 benchmarks/profile_step.py $a --out "$OUT/profile_wm$a.json" > "/tmp/profile_wm$a.log" 2>&1 \
            && sed -n '/^device/,$p' "/tmp/profile_wm$a.log" | head -n 30 || tail -n 30 "/tmp/profile_wm$a.log"; done; (exit $r) ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
@@ -80,7 +80,8 @@ for step in "$@"; do
            [ -n "${job// /}" ] || continue
            gpus=${job%%|*}; rest=${job#*|}; vars=${rest%%|*}; steps=${rest#*|}; gpus=${gpus// /}
            echo "par_$i: GPUs $gpus: $vars $steps"
-           bash -c "export CUDA_VISIBLE_DEVICES=$gpus SM121_NO_PIP=1; $vars bash scripts/gpu_session.sh '$part' $steps" \
+           # each job ends by PAR_TIMEOUT (s) so that the packing below runs inside the call's limit
+           timeout -k 10 "${PAR_TIMEOUT:-540}" bash -c "export CUDA_VISIBLE_DEVICES=$gpus SM121_NO_PIP=1; $vars bash scripts/gpu_session.sh '$part' $steps" \
              > "$OUT/par_$i.log" 2>&1 &
            pids+=($!); i=$((i+1))
          done <<< "$jobs"

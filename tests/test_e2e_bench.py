@@ -662,3 +662,18 @@ def test_run_point_records_engine_clock_steps_next_to_the_wall_clock_estimate():
     assert rec["engine_ms_per_step"] == pytest.approx([step * 1e3] * 2)
     assert rec["engine_ms_per_step_median"] == pytest.approx(step * 1e3)
     assert rec["engine_tok_s"] == pytest.approx(batch / step)
+
+
+def test_points_over_the_kv_capacity_are_flagged_suspect():
+    """A batch-x-length decode point the KV cache cannot hold preempts: flagged, never silent."""
+    res = {"points": {"tg128-b16@32k": {"status": "ok", "tok_s": 1.0},
+                      "tg128-b8@32k": {"status": "ok", "tok_s": 1.0, "suspect": "spread"},
+                      "tg128@32k": {"status": "ok", "tok_s": 1.0},
+                      "pp2048": {"status": "ok", "tok_s": 1.0}}}
+    e2e.flag_over_capacity(res, 300_000)
+    p = res["points"]
+    assert "KV capacity 300,000" in p["tg128-b16@32k"]["suspect"] and "(vLLM preempts)" in p["tg128-b16@32k"]["suspect"]
+    assert p["tg128-b8@32k"]["suspect"] == "spread"  # 8 x 32896 fits 300k
+    assert "suspect" not in p["tg128@32k"] and "suspect" not in p["pp2048"]
+    e2e.flag_over_capacity(res, 200_000)
+    assert p["tg128-b8@32k"]["suspect"].startswith("spread; batch x length 263,168")

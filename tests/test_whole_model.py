@@ -339,3 +339,24 @@ def test_runner_refuses_to_capture_once_vllm_lowered_the_graph_mode(monkeypatch)
     r.vllm_config = _vllm_config(mode="PIECEWISE")
     with pytest.raises(ValueError, match="after vLLM resolved the CUDA graph mode"):
         r.capture_model()
+
+
+def test_runner_verification_compares_with_stock_on_the_same_logits(monkeypatch):
+    from vllm_sm121.graph import runner as R
+
+    r, _ = _runner(monkeypatch)
+    r.sm121_graph_verify(True)
+    r._model_forward()
+    assert r._sm121_take and not r._sm121_tail.claimed  # stock's lm_head still runs
+    logits = torch.zeros(3, 10)
+    logits[0, 5], logits[1, 9], logits[2, 7] = 1.0, 3.0, 2.0  # stock would pick 5, 9, 7; the graph has 5, 6, 7
+    logits[1, 6] = 0.5
+    monkeypatch.setattr(R.GPUModelRunner, "_sample", lambda self, lg, spec: types.SimpleNamespace(
+        sampled_token_ids=lg.argmax(-1, keepdim=True).to(torch.int32)))
+    out = r._sample(logits, None)
+    assert out.sampled_token_ids.tolist() == [[5], [6], [7]]  # the graph's tokens are what the step returns
+    v = r.sm121_graph_stats()["verify"]
+    assert v == {"steps": 1, "rows": 3, "mismatched_rows": 1, "max_logit_gap": 2.5}, v
+    r.sm121_graph_verify(False)
+    r._model_forward()
+    assert r._sm121_tail.claimed and r.sm121_graph_stats()["verify"]["steps"] == 0

@@ -93,9 +93,10 @@ ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
     (SM90, "prefill_sw", 64): AttnTile(64, 32, 4, 2),
     (SM90, "prefill_sw", 128): AttnTile(64, 32, 4, 2),
     (SM90, "prefill_sw", 256): AttnTile(64, 32, 4, 2),
-    # nvfp4 pages, decode (benchmarks/tune_kv.py on an H100, 2026-11-26, even/odd-halves decode):
-    # (16, 256, 8, 2) b32 ctx32k 896 us vs 990 us for the bf16 decode tile; b8 239 vs 263.
-    (SM90, "decode_nvfp4", 64): AttnTile(16, 256, 8, 2),
+    # nvfp4 pages, decode (benchmarks/tune_kv.py on an H100, 2026-11-27, fp16 operands and the
+    # inline-PTX decode): (16, 128, 4, 3) b32 ctx32k 631 us vs 1088 us at (16, 256, 8, 2), the
+    # tile of the earlier bf16-operand decode; b8 168 vs 297; b1 ctx128k 92 vs 162.
+    (SM90, "decode_nvfp4", 64): AttnTile(16, 128, 4, 3),
     # sm_12x (not measured: no GB10 here): the sm_90 shapes cut to ~99 KB of shared memory per
     # block (K+V tile bytes x stages), tests/test_aot_compile.py checks the compiled sizes.
     (SM12X, "decode", 64): AttnTile(16, 128, 4, 2),

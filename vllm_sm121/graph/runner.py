@@ -10,10 +10,17 @@ vLLM itself calls; every batch the tail does not cover runs stock code unchanged
   ``compute_logits`` skips the eager lm_head for this step.
 * ``_sample``: returns the graph's tokens for such a step (``SamplerOutput`` as stock's greedy
   path makes it), stock's sampler otherwise.
+
+Verification (``sm121_graph_verify(True)``, e.g. ``LLM.collective_rpc("sm121_graph_verify",
+args=(True,))``; a debugging and test aid, slower): a step that takes the graph's tokens also runs
+stock's lm_head and sampler on the same hidden states, counts rows where the two tokens differ and
+the largest logit gap of such a row (0 for an exact tie, which stock breaks to the lowest index as
+well), and still returns the graph's tokens.
 """
 
 from __future__ import annotations
 
+import torch
 from vllm import envs
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config import CUDAGraphMode
@@ -38,6 +45,8 @@ class WholeModelRunner(GPUModelRunner):
     _sm121_fallbacks: dict
     _sm121_taken: int = 0
     _sm121_take: bool = False
+    _sm121_verify: bool = False
+    _sm121_checked: dict | None = None
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -95,7 +104,8 @@ class WholeModelRunner(GPUModelRunner):
             if covers(current_context(), tail.max_rows):
                 why = self._sm121_reason()
                 if why is None:
-                    tail.claim()
+                    if not self._sm121_verify:  # verification keeps stock's lm_head for the comparison
+                        tail.claim()
                     self._sm121_take = True
                 else:
                     if why not in self._sm121_fallbacks:
@@ -108,14 +118,36 @@ class WholeModelRunner(GPUModelRunner):
         if spec_decode_metadata is None and self._sm121_take:
             self._sm121_take = False
             self._sm121_taken += 1
-            self.input_batch.update_async_output_token_ids()  # stock's side effect, kept
-            return SamplerOutput(sampled_token_ids=self._sm121_tail.sampled(self.input_batch.num_reqs),
-                                 logprobs_tensors=None)
+            tokens = self._sm121_tail.sampled(self.input_batch.num_reqs)
+            if self._sm121_verify:
+                self._sm121_check(tokens, logits, super()._sample(logits, None).sampled_token_ids)
+            else:
+                self.input_batch.update_async_output_token_ids()  # stock's side effect, kept
+            return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
         return super()._sample(logits, spec_decode_metadata)
+
+    def _sm121_check(self, graph, logits, stock) -> None:
+        """Verification: count rows where the graph's token differs from stock's on these logits."""
+        c = self._sm121_checked
+        diff = (graph != stock).view(-1)
+        c["steps"] += 1
+        c["rows"] += int(diff.numel())
+        bad = int(diff.sum().item())
+        if bad:
+            lf = logits.to(torch.float32)
+            gap = (lf.gather(1, stock.long()) - lf.gather(1, graph.long())).view(-1)[diff].abs().max().item()
+            c["mismatched_rows"] += bad
+            c["max_logit_gap"] = max(c["max_logit_gap"], gap)
+
+    def sm121_graph_verify(self, on: bool = True) -> None:
+        """Turn verification on or off (module docstring); resets its counters."""
+        self._sm121_verify = bool(on)
+        self._sm121_checked = {"steps": 0, "rows": 0, "mismatched_rows": 0, "max_logit_gap": 0.0}
 
     def sm121_graph_stats(self) -> dict:
         """Decode steps that took the graph's tokens, fallbacks per reason, Python-side tail runs
         (captures), the rows a tail covers."""
         tail = self._sm121_tail
         return {"taken": self._sm121_taken, "fallbacks": dict(getattr(self, "_sm121_fallbacks", {})),
-                "tail_runs": tail.ran if tail else 0, "max_rows": tail.max_rows if tail else 0}
+                "tail_runs": tail.ran if tail else 0, "max_rows": tail.max_rows if tail else 0,
+                "verify": dict(self._sm121_checked) if self._sm121_checked is not None else None}

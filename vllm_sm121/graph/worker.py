@@ -36,3 +36,7 @@ class WholeModelWorker(Worker):
     def sm121_graph_stats(self) -> dict:
         """For ``LLM.collective_rpc("sm121_graph_stats")``: the runner's counters."""
         return self.model_runner.sm121_graph_stats()
+
+    def sm121_graph_verify(self, on: bool = True) -> None:
+        """For ``LLM.collective_rpc("sm121_graph_verify", args=(True,))``: see the runner."""
+        self.model_runner.sm121_graph_verify(on)
