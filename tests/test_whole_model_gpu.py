@@ -1,20 +1,23 @@
 """Whole-model graph mode, stage A, on a GPU (vllm_sm121/graph/): gpt-oss-tiny as a random
 real-format checkpoint, SM121 attention, FULL_AND_PIECEWISE graphs (capture sizes <= 8).
 
-Within one engine with the mode on (same compiled model, same graphs), for greedy batches of 1,
-2, 4 and 8 prompts (capture sizes, so the in-graph lm_head runs at the same M as stock's):
+One engine with the mode on serves greedy batches of 1, 2, 4 and 8 prompts (capture sizes, so the
+in-graph lm_head runs at the same M as stock's) three ways: as shipped (stock's lm_head and
+sampler skipped), with verification on (``sm121_graph_verify``: every step that takes the graph's
+tokens also runs stock's lm_head and sampler on the same hidden states), and with logprobs=1
+(falls back to stock). Asserted:
 
-1. the graph's tokens (mode as shipped: stock's lm_head and sampler skipped) equal the tokens of
-   the same batches run with logprobs=1, which fall back to stock's lm_head and sampler, and the
-   runner reports that decode steps took the graph's tokens (the test cannot pass by falling back);
-2. verification on (``sm121_graph_verify``): every taken step also runs stock's lm_head and
-   sampler on the same hidden states; no row may differ;
-3. a batch with one seeded temperature-0.8 request and the logprob batches fall back, with the
-   reasons counted.
+1. verification covered every decode step of the verified batches and no row's graph token
+   differs from stock's on the same logits (the exact check of the tail);
+2. the shipped and verified batches took the graph's tokens (the test cannot pass by falling
+   back), and a seeded temperature-0.8 batch and the logprob batches fell back, reasons counted.
 
-A second engine with the mode off serves the same requests; its agreement with the first is
-printed, not asserted: two engine builds need not round alike (with $SM121_WM_CONTROL=1 a third
-engine, mode off again, measures that build-to-build agreement).
+Whole generated sequences are not compared for equality: vLLM with this model is not repeatable
+run to run on random weights (H100, commit c773752: two engines with the mode off, the same
+requests: 14 of 15 sequences identical, one differing from its first token; within one engine
+the same batch twice through stock's sampler can differ too). The agreements are printed: graph
+vs stock within the engine, and mode on vs a second engine with the mode off (with
+$SM121_WM_CONTROL=1 a third engine, mode off again, gives the off-vs-off baseline).
 """
 
 from __future__ import annotations
@@ -103,32 +106,35 @@ def runs(checkpoint):
     return r
 
 
-def _agreement(a: dict, b: dict) -> str:
-    same = sum(x == y for n in SIZES for x, y in zip(a[f"logprobs{n}"], b[f"logprobs{n}"]))
-    first = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
-             for n in SIZES for x, y in zip(a[f"logprobs{n}"], b[f"logprobs{n}"])]
-    return f"{same}/{sum(SIZES)} sequences identical; first differing position per sequence {first}"
+def _same(a, b) -> str:
+    pairs = [(x, y) for n in SIZES for x, y in zip(a[n], b[n])]
+    first = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in pairs]
+    return f"{sum(x == y for x, y in pairs)}/{len(pairs)} sequences identical; first differing position {first}"
 
 
-def test_graph_tokens_equal_stock_sampling_in_the_same_engine(runs):
+def test_graph_tokens_equal_stock_tokens_on_the_same_logits(runs):
     on = runs["on"]
-    stats = on["stats"]
-    print(f"\nwhole-model stage A stats: {stats}\nverification: {on['verify']}")
-    print(f"mode on vs mode off (two engine builds; stock sampling on both sides): {_agreement(on, runs['off'])}")
+    stats, v = on["stats"], on["verify"]
+    seqs = {k: {n: runs[r][f"{k}{n}"] for n in SIZES} for r, k in (("on", "greedy"), ("on", "verified"))}
+    stock = {r: {n: runs[r][f"logprobs{n}"] for n in SIZES} for r in runs}
+    print(f"\nwhole-model stage A stats: {stats}\nverification: {v}")
+    print(f"graph tokens vs stock sampling, same engine: {_same(seqs['greedy'], stock['on'])}")
+    print(f"verified vs shipped graph tokens, same engine: {_same(seqs['verified'], seqs['greedy'])}")
+    print(f"mode on vs mode off (two engines, stock sampling on both sides): {_same(stock['on'], stock['off'])}")
     if "off2" in runs:
-        print(f"control, mode off vs mode off (two engine builds): {_agreement(runs['off'], runs['off2'])}")
-    for n in SIZES:
-        assert on[f"greedy{n}"] == on[f"logprobs{n}"], (n, on[f"greedy{n}"], on[f"logprobs{n}"])
-        assert on[f"verified{n}"] == on[f"greedy{n}"], n
-    v = on["verify"]
-    assert v["steps"] >= len(SIZES) * (GEN - 2) and v["mismatched_rows"] == 0, v
-    # (GEN - 1) decode steps per greedy batch, twice (as shipped, then verified)
-    assert stats["taken"] >= 2 * len(SIZES) * (GEN - 2), stats
+        print(f"control, mode off vs mode off (two engines): {_same(stock['off'], stock['off2'])}")
+    # (GEN - 1) decode steps per greedy batch
+    assert v["steps"] >= len(SIZES) * (GEN - 2) and v["rows"] >= sum(SIZES) * (GEN - 2), v
+    assert v["mismatched_rows"] == 0, v
+    assert stats["taken"] >= 2 * len(SIZES) * (GEN - 2), stats  # shipped + verified batches
     assert stats["tail_runs"] > 0, stats  # captured into the graphs
+    assert all(len(t) == GEN for n in SIZES for t in seqs["greedy"][n])
 
 
 def test_sampling_and_logprob_batches_fall_back(runs):
     on = runs["on"]
-    reasons = " ".join(on["stats"]["fallbacks"])
+    fb = on["stats"]["fallbacks"]
+    reasons = " ".join(fb)
     assert "temperature > 0" in reasons and "logprobs" in reasons, on["stats"]
+    assert fb["logprobs requested"] >= len(SIZES) * (GEN - 2), fb
     assert all(len(t) == GEN for t in on["mixed"])
