@@ -43,6 +43,8 @@ from .paged_attention_details._paged_attention import _combine_splits_kernel, _p
 MAX_SPLITS = 64
 # A split below this many KV tokens costs more in the merge than it saves.
 MIN_TOKENS_PER_SPLIT = 64
+# Queries of at most this many rows (query tokens x q heads per KV head) may split their KV.
+SPLIT_MAX_QUERY_ROWS = 64
 # Programs per SM the split count aims for. H200 sweep (benchmarks/tune_attention.py, gpt-oss
 # decode): best at 4-8 programs per SM for batch 1-8 (b1 ctx8k: 64 splits 15.7 us vs 32 splits
 # 18.1 us), 2 splits at batch 32.
@@ -115,7 +117,7 @@ def choose_num_splits(
     Only query-light batches (decode, spec-verify) split; prefill already has programs to spare.
     A sliding window bounds the KV a query block reads, whatever the context length.
     """
-    if max_query_len * num_q_per_kv > 64:
+    if max_query_len * num_q_per_kv > SPLIT_MAX_QUERY_ROWS:
         return 1
     visible = max_seq_len
     if sliding_window is not None:

@@ -58,7 +58,8 @@ def _common(b, slot_mapping):
     )
 
 
-@pytest.mark.parametrize("q_lens,seq_lens", [([1], [200]), ([1, 5, 20], [70, 33, 20])], ids=["decode-long", "mixed"])
+@pytest.mark.parametrize("q_lens,seq_lens", [([1], [200]), ([1, 5, 20], [70, 33, 20]), ([3, 40, 17], [300, 60, 17])],
+                         ids=["decode-long", "mixed", "mixed-long-decodes"])
 def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, q_lens, seq_lens):
     builder, impls = backend_parts
     b = make_paged_batch(q_lens, seq_lens, num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
@@ -72,6 +73,15 @@ def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, 
     assert set(md.num_splits) == {16, None}
     if q_lens == [1]:  # long decode: the full layer splits, the 16-token window does not
         assert md.num_splits[None] > 1 and md.num_splits[16] == 1
+    # a mixed batch's leading short queries with long contexts get their own split launch
+    assert builder.reorder_batch_threshold == 16  # 64 rows / 4 q heads per KV head
+    if seq_lens[0] >= 300:
+        dp = md.decode_part
+        assert (dp.num_reqs, dp.num_tokens, dp.max_query_len) == (1, 3, 3)
+        assert dp.num_splits[None] > 1 and dp.num_splits[16] == 1
+        assert dp.prefill_query_start_loc.tolist() == [0, 40, 57]  # the rest's own offsets
+    else:
+        assert md.decode_part is None
     g = torch.Generator().manual_seed(3)
     T = b.q.shape[0]
     for name, impl in impls.items():

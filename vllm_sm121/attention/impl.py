@@ -168,15 +168,26 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         sinks = self._sinks_f32 if self._sinks_f32 is not None else (
             self.sinks.float() if self.sinks is not None else None)
         fp8 = self.kv_cache_dtype in _FP8_CACHE
-        num_splits, workspace = md.splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        paged_attention(
-            q, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
-            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=self.scale,
-            sliding_window=self.sliding_window, softcap=self.logits_soft_cap, sinks=sinks,
-            k_scale=layer._k_scale if fp8 else None, v_scale=layer._v_scale if fp8 else None,
-            out=out, num_splits=num_splits, workspace=workspace, check=not self._checked,
-        )
+        common = dict(max_seq_len=md.max_seq_len, scale=self.scale, sliding_window=self.sliding_window,
+                      softcap=self.logits_soft_cap, sinks=sinks, k_scale=layer._k_scale if fp8 else None,
+                      v_scale=layer._v_scale if fp8 else None, check=not self._checked)
+        dp = md.decode_part
+        if dp is not None and dp.num_splits.get(self.sliding_window, 1) > 1:
+            # mixed batch: the leading decode rows with split KV, then the rest in one launch
+            d, r = dp.num_tokens, dp.num_reqs
+            splits, workspace = md.decode_splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
+            paged_attention(q[:d], key_cache, value_cache, md.block_table[:r], md.query_start_loc[: r + 1],
+                            md.seq_lens[:r], max_query_len=dp.max_query_len, out=out[:d], num_splits=splits,
+                            workspace=workspace, **common)
+            paged_attention(q[d:], key_cache, value_cache, md.block_table[r: md.seq_lens.shape[0]],
+                            dp.prefill_query_start_loc, md.seq_lens[r:], max_query_len=md.max_query_len,
+                            out=out[d:], num_splits=1, workspace=None, **common)
+        else:
+            num_splits, workspace = md.splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
+            paged_attention(q, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
+                            max_query_len=md.max_query_len, out=out, num_splits=num_splits, workspace=workspace,
+                            **common)
         self._checked = True
         return output

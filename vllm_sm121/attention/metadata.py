@@ -15,11 +15,25 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
-from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SplitWorkspace, choose_num_splits
+from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SPLIT_MAX_QUERY_ROWS, SplitWorkspace, choose_num_splits
 
 # Partial results the split-KV workspace holds: (tokens x splits) rows of [Hq, head_pad] fp32.
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
 WORKSPACE_TOKEN_SPLITS = 2048
+
+
+@dataclasses.dataclass
+class DecodePart:
+    """The leading decode rows of a mixed batch (vLLM orders decodes first, as the builder's
+    ``reorder_batch_threshold`` asks), run in their own launch with split KV; without it they would
+    ride in the prefill launch with one program per (sequence, KV head) over their whole context,
+    the step's long pole at long context."""
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    num_splits: dict  # sliding window -> split count for the decode rows
+    prefill_query_start_loc: torch.Tensor  # query_start_loc[num_reqs:] - num_tokens (device)
 
 
 @dataclasses.dataclass
@@ -34,13 +48,21 @@ class SM121AttentionMetadata:
     num_splits: dict  # sliding window (None: full attention) -> split-KV count for this batch
     split_acc: torch.Tensor  # persistent flat split-KV buffers
     split_ml: torch.Tensor
+    decode_part: DecodePart | None = None  # mixed batches: the decode rows' own launch
 
     def splits_and_workspace(self, num_q_heads: int, head_size: int, sliding_window: int | None):
         """One layer's split count (chosen by the builder for its window) and workspace views."""
-        splits = self.num_splits.get(sliding_window, 1)
+        return self._workspace(self.num_splits.get(sliding_window, 1), self.num_actual_tokens, num_q_heads, head_size)
+
+    def decode_splits_and_workspace(self, num_q_heads: int, head_size: int, sliding_window: int | None):
+        """The decode part's split count for this window and workspace (``decode_part`` set)."""
+        dp = self.decode_part
+        return self._workspace(dp.num_splits.get(sliding_window, 1), dp.num_tokens, num_q_heads, head_size)
+
+    def _workspace(self, splits: int, num_tokens: int, num_q_heads: int, head_size: int):
         if splits == 1:
             return 1, None
-        ws = SplitWorkspace.view_of(self.split_acc, self.split_ml, self.num_actual_tokens, num_q_heads, splits, head_size)
+        ws = SplitWorkspace.view_of(self.split_acc, self.split_ml, num_tokens, num_q_heads, splits, head_size)
         return (splits, ws) if ws is not None else (1, None)
 
 
@@ -65,6 +87,10 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         self.head_size = kv_cache_spec.head_size
         self.head_pad = max(16, 1 << (self.head_size - 1).bit_length())
         self.max_model_len = vllm_config.model_config.max_model_len
+        # Queries of up to this many tokens may split their KV (choose_num_splits); vLLM puts such
+        # requests first in a batch when a builder sets reorder_batch_threshold.
+        self.decode_query_max = max(1, SPLIT_MAX_QUERY_ROWS // max(1, self.num_q_heads // self.num_kv_heads))
+        self.reorder_batch_threshold = self.decode_query_max
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         rows = WORKSPACE_TOKEN_SPLITS * self.num_q_heads
         self._acc = torch.empty(rows * self.head_pad, dtype=torch.float32, device=device)
@@ -89,11 +115,29 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
         # Graphs are replayed at any context length: pick splits for long contexts, and run the
         # capture's warm-up on 1-token contexts (fast), as vLLM's Triton backend does.
-        md = self._build(common_attn_metadata, self.max_model_len)
+        md = self._build(common_attn_metadata, self.max_model_len, capture=True)
         md.seq_lens.fill_(1)
         return md
 
-    def _build(self, cm: CommonAttentionMetadata, split_seq_len: int) -> SM121AttentionMetadata:
+    def _decode_part(self, cm: CommonAttentionMetadata) -> DecodePart | None:
+        """Mixed batches: the leading requests of <= decode_query_max tokens, when at least one
+        window would split their KV (long contexts)."""
+        if cm.max_query_len <= self.decode_query_max or cm.num_reqs < 2:
+            return None
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        nd = 0
+        while nd < cm.num_reqs and qsl[nd + 1] - qsl[nd] <= self.decode_query_max:
+            nd += 1
+        if nd == 0 or nd == cm.num_reqs:
+            return None
+        qmax = max(qsl[i + 1] - qsl[i] for i in range(nd))
+        splits = self._num_splits(qsl[nd], nd, qmax, cm.max_seq_len)
+        if max(splits.values()) == 1:
+            return None
+        return DecodePart(num_reqs=nd, num_tokens=qsl[nd], max_query_len=qmax, num_splits=splits,
+                          prefill_query_start_loc=cm.query_start_loc[nd: cm.num_reqs + 1] - qsl[nd])
+
+    def _build(self, cm: CommonAttentionMetadata, split_seq_len: int, capture: bool = False) -> SM121AttentionMetadata:
         num_splits = self._num_splits(cm.num_actual_tokens, cm.num_reqs, cm.max_query_len, split_seq_len)
         assert max(num_splits.values()) <= MAX_SPLITS
         return SM121AttentionMetadata(
@@ -107,4 +151,6 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
             num_splits=num_splits,
             split_acc=self._acc,
             split_ml=self._ml,
+            # a captured graph keeps one launch structure for every replay: no decode part there
+            decode_part=None if capture else self._decode_part(cm),
         )
