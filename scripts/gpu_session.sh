@@ -70,6 +70,8 @@ for step in "$@"; do
          grep -E "stats|verification|mode on|control|passed|failed|Error|^E " "$OUT/wholemodel.log" | head -n 30; tail -n 3 "$OUT/wholemodel.log"
          for a in "" "--whole-model"; do python3 benchmarks/profile_step.py $a --out "$OUT/profile_wm$a.json" > "/tmp/profile_wm$a.log" 2>&1 \
            && sed -n '/^device/,$p' "/tmp/profile_wm$a.log" | head -n 30 || tail -n 30 "/tmp/profile_wm$a.log"; done; (exit $r) ;;
+    mixedsplit) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "mixed_batch" -p no:cacheprovider > "$OUT/mixedsplit.log" 2>&1; r=$?
+         grep -E "gap|one launch|Error|passed|failed|^E " "$OUT/mixedsplit.log" | head -n 20; (exit $r) ;;
     wmtest) python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wmtest.log" 2>&1; r=$?
          grep -E "stats|verification|same engine|mode on|control|passed|failed|Error|^E " "$OUT/wmtest.log" | head -n 30; (exit $r) ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;

@@ -60,7 +60,7 @@ def _common(b, slot_mapping):
 
 @pytest.mark.parametrize("q_lens,seq_lens", [([1], [200]), ([1, 5, 20], [70, 33, 20]), ([3, 40, 17], [300, 60, 17])],
                          ids=["decode-long", "mixed", "mixed-long-decodes"])
-def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, q_lens, seq_lens):
+def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, q_lens, seq_lens, monkeypatch):
     builder, impls = backend_parts
     b = make_paged_batch(q_lens, seq_lens, num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
     # The new tokens' K/V go through the backend's own cache update (slots of the last q_len positions).
@@ -76,6 +76,12 @@ def test_layers_with_different_hyperparameters_share_one_builder(backend_parts, 
     # a mixed batch's leading short queries with long contexts get their own split launch
     assert builder.reorder_batch_threshold == 16  # 64 rows / 4 q heads per KV head
     if seq_lens[0] >= 300:
+        monkeypatch.setenv("VLLM_SM121_MIXED_SPLIT", "0")  # the knob: one launch, no decode part
+        from vllm_sm121.attention.metadata import SM121AttentionMetadataBuilder
+
+        off = SM121AttentionMetadataBuilder(builder.kv_cache_spec, builder.layer_names, builder.vllm_config,
+                                            torch.device("cpu"))
+        assert off.build(0, _common(b, slot_mapping)).decode_part is None
         dp = md.decode_part
         assert (dp.num_reqs, dp.num_tokens, dp.max_query_len) == (1, 3, 3)
         assert dp.num_splits[None] > 1 and dp.num_splits[16] == 1

@@ -235,3 +235,34 @@ def test_moe_mxfp8_logprobs_reported(model, tmp_path_factory):
               f"{gap[0]:.4g} p99 {gap[1]:.4g}; upstream attention spread mean {spread[0]:.4g} p99 {spread[1]:.4g}; "
               f"logprob std {signal:.3g}")
         assert gap[0] < 0.25 * signal, (gap, signal)
+
+
+MIXED_PROMPT_LENS = (1500, 1800, 2049)
+
+
+def test_mixed_batch_decode_rows_within_upstream_spread(checkpoint):
+    """Decode rows of long contexts inside mixed batches (the SM121 builder's split launch for
+    them, ``DecodePart``): with chunked prefill at 256 tokens, the 1500-token prompt finishes its
+    prefill while the other two still prefill, so it decodes in mixed batches at ~1.5k context
+    (16 KV splits on any sm_90 card); likewise the 1800-token one next to the 2049-token prefill.
+    The greedy logprobs SM121 samples (eager) are scored by TRITON_ATTN and FLASH_ATTN teacher
+    forcing; SM121 must stay within 1.5x (+1e-3) of FLASH_ATTN-vs-TRITON_ATTN. The same run with
+    ``VLLM_SM121_MIXED_SPLIT=0`` (one launch) is reported next to it."""
+    prompts = _prompts(MIXED_PROMPT_LENS)
+    _, ids, gen_lp = _run(checkpoint, "SM121", prompts, gen=32)
+    os.environ["VLLM_SM121_MIXED_SPLIT"] = "0"
+    try:
+        _, ids_off, gen_lp_off = _run(checkpoint, "SM121", prompts, gen=32)
+    finally:
+        os.environ.pop("VLLM_SM121_MIXED_SPLIT", None)
+    seqs = [p + g for p, g in zip(prompts, ids)]
+    tail = lambda lps: [lp[len(p) - 1:] for lp, p in zip(lps, prompts)]  # noqa: E731
+    triton = tail(_run(checkpoint, "TRITON_ATTN", seqs)[0])
+    fa = tail(_run(checkpoint, "FLASH_ATTN", seqs)[0])
+    spread = _diffs(fa, triton)
+    if ids_off == ids:
+        print(f"\none launch (VLLM_SM121_MIXED_SPLIT=0) vs split: |logprob| gap {_diffs(gen_lp_off, gen_lp)}")
+    else:
+        print(f"\none launch (VLLM_SM121_MIXED_SPLIT=0) generated other tokens: {ids_off} vs {ids}")
+    _check("SM121 decode rows in mixed batches (split launch) vs TRITON_ATTN teacher-forced",
+           _diffs(gen_lp, triton), spread)

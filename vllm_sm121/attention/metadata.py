@@ -10,6 +10,7 @@ every batch kind (``AttentionCGSupport.ALWAYS``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import torch
@@ -20,6 +21,7 @@ from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SPLIT_MAX_QUERY_ROWS,
 # Partial results the split-KV workspace holds: (tokens x splits) rows of [Hq, head_pad] fp32.
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
 WORKSPACE_TOKEN_SPLITS = 2048
+MIXED_SPLIT_ENV = "VLLM_SM121_MIXED_SPLIT"
 
 
 @dataclasses.dataclass
@@ -91,6 +93,8 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         # requests first in a batch when a builder sets reorder_batch_threshold.
         self.decode_query_max = max(1, SPLIT_MAX_QUERY_ROWS // max(1, self.num_q_heads // self.num_kv_heads))
         self.reorder_batch_threshold = self.decode_query_max
+        # $VLLM_SM121_MIXED_SPLIT=0 keeps a mixed batch in one launch (A/B runs, tests).
+        self.mixed_split = os.environ.get(MIXED_SPLIT_ENV, "1").strip() != "0"
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         rows = WORKSPACE_TOKEN_SPLITS * self.num_q_heads
         self._acc = torch.empty(rows * self.head_pad, dtype=torch.float32, device=device)
@@ -122,7 +126,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
     def _decode_part(self, cm: CommonAttentionMetadata) -> DecodePart | None:
         """Mixed batches: the leading requests of <= decode_query_max tokens, when at least one
         window would split their KV (long contexts)."""
-        if cm.max_query_len <= self.decode_query_max or cm.num_reqs < 2:
+        if not self.mixed_split or cm.max_query_len <= self.decode_query_max or cm.num_reqs < 2:
             return None
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
         nd = 0
