@@ -278,8 +278,8 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     num_q_per_kv = num_q_heads // num_kv_heads
     head_pad = max(16, _next_pow2(head_size))
     kind = "decode" if max_query_len * num_q_per_kv <= 16 else ("prefill" if sliding_window is None else "prefill_sw")
-    if kind == "decode" and kv_nvfp4:
-        kind = "decode_nvfp4"
+    if kv_nvfp4:  # nvfp4 pages: the kind's own tiles where measured (platform.attn_tile)
+        kind += "_nvfp4"
     tile = tile or _platform.attn_tile(family, kind, head_pad)
     # Never more rows than the longest query needs (spec-verify 1+k would waste half a tile).
     rows = _next_pow2(max(1, max_query_len) * num_q_per_kv)

@@ -43,6 +43,7 @@ for step in "$@"; do
     e2e_moe) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -q -s tests/test_e2e_gpu.py -k "${E2E_MOE_K:-moe}" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
+    tunekvprefill) python3 benchmarks/tune_kv.py --prefill --out "$OUT/tune_kv_prefill.json" 2>&1 | tee "$OUT/tune_kv_prefill.log" | grep -E "^(==|device)|Error" ;;
     kvtests) python3 -m pytest -q -m gpu tests/test_fp4_kv.py tests/test_paged_attention.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/kvtests.log" ;;
     moequick) python3 benchmarks/moe.py --m 1,2,4,8,64,512 --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 45 ;;
     e2e_prefix) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "nvfp4_prefix" -p no:cacheprovider > "$OUT/e2e_prefix.log" 2>&1; r=$?

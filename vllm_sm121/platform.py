@@ -133,13 +133,13 @@ DEFAULT_SM_COUNT = {SM90: 132, SM12X: 48, INTERPRETER: 4}
 
 
 ATTN_TILE_ENV = "VLLM_SM121_ATTN_TILE"
-ATTN_TILE_KINDS = ("decode", "decode_nvfp4", "prefill", "prefill_sw")
+ATTN_TILE_KINDS = ("decode", "decode_nvfp4", "prefill", "prefill_sw", "prefill_nvfp4", "prefill_sw_nvfp4")
 
 
 @functools.lru_cache(maxsize=8)
 def parse_attn_tile_env(text: str) -> dict[str, AttnTile]:
     """$VLLM_SM121_ATTN_TILE = "kind=block_m,tile_n,num_warps,num_stages[;kind=...]" -> {kind: tile}
-    (every head size; kinds: decode, decode_nvfp4, prefill, prefill_sw). For sweeps, and for a
+    (every head size; kinds: decode, prefill, prefill_sw and their _nvfp4 variants). For sweeps, and for a
     second, equally correct configuration whose numerics differ only in reduction order (the
     tests' spread measure)."""
     out: dict[str, AttnTile] = {}
@@ -162,17 +162,25 @@ def parse_attn_tile_env(text: str) -> dict[str, AttnTile]:
     return out
 
 
+def _base_kind(kind: str) -> str:
+    """decode_nvfp4 -> decode, prefill_sw_nvfp4 -> prefill_sw; other kinds are their own base."""
+    return kind[: -len("_nvfp4")] if kind.endswith("_nvfp4") else kind
+
+
 def attn_tile(family: str, kind: str, head_size_padded: int) -> AttnTile:
-    """The tile of (family, kind, head bucket); a kind "<base>_<variant>" without its own entry
-    (e.g. decode_nvfp4 on families not measured) uses the base kind's tile. $VLLM_SM121_ATTN_TILE
-    overrides kinds it names (``parse_attn_tile_env``)."""
+    """The tile of (family, kind, head bucket). A variant kind ("decode_nvfp4", "prefill_nvfp4",
+    "prefill_sw_nvfp4") without its own entry uses its base kind's tile. $VLLM_SM121_ATTN_TILE
+    overrides the kinds it names; naming a base kind also overrides its variants unless the
+    variant is named too (``parse_attn_tile_env``)."""
+    base = _base_kind(kind)
     env = os.environ.get(ATTN_TILE_ENV, "").strip()
     if env:
-        tile = parse_attn_tile_env(env).get(kind)
+        tiles = parse_attn_tile_env(env)
+        tile = tiles.get(kind) or tiles.get(base)
         if tile is not None:
             return tile
     bucket = 64 if head_size_padded <= 64 else (128 if head_size_padded <= 128 else 256)
     key = (family, kind, bucket)
-    if key not in ATTN_TILES and "_" in kind and kind.split("_")[0] == "decode":
-        key = (family, "decode", bucket)
+    if key not in ATTN_TILES:
+        key = (family, base, bucket)
     return ATTN_TILES[key]
