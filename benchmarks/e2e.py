@@ -49,6 +49,11 @@ Points (``POINTS`` below; ``--points a,b``)
                 tok/s = batch / ms/step (prefill and request overhead cancel out).
     tg128@32k   the same at batch 1 after a 32768-token prompt (needs max_model_len >= 32896:
                 the plan sets it; a smaller one given with --llm-kwargs skips the point, noted).
+    tg128-b8@32k, tg128-b16@32k
+                the same at batch 8 / 16 (opt-in: not in the default points); a point whose
+                batch x length exceeds the KV capacity vLLM reports is flagged suspect (preemption).
+                With chunked prefill, early requests decode while later ones still prefill, so
+                the estimate also carries those mixed steps.
     Every point: --warmup untimed runs of each timed shape (Triton JIT, autotuning), then
     --iters timed repetitions (t(1) and t(128) interleaved per repetition); decode ms/step =
     (min t(128) - min t(1)) / 127 (host stalls of 1-3 s hit random iterations on H100, upstream

@@ -59,8 +59,8 @@ FILLED_GPU_MIN_SPLIT_TOKENS = 2048
 # broadcast in registers) instead of the strided byte gathers the AOT PTX shows
 # (ld.global.b8). Compiled and CPU-tested, not yet timed on a GPU: off until tune_kv says so.
 NVFP4_VEC = False
-# nvfp4 (bit-trick decode, i.e. not E2M1_HW: the sm_90 path; sm_12x converts in hardware):
-# decode 4 cache bytes per inline-PTX block (_e2m1_words_times_scale_f16: ~2.9 instead of ~4.5
+# nvfp4, sm_90 only (measured there; sm_12x keeps the per-element bit trick until a GB10 run, as
+# its hardware e2m1 conversion, platform.NVFP4_HW_E2M1, does): decode 4 cache bytes per inline-PTX block (_e2m1_words_times_scale_f16: ~2.9 instead of ~4.5
 # sm_90a instructions per value; `python -m vllm_sm121.kernels.aot --sass-loop nvfp4`). GPU test
 # tests/test_fp4_kv.py "asm" passed on an H100 (2026-11-27, commit 9757ff3), and
 # benchmarks/tune_kv.py there, at the (16, 128, 4, 3) tile: b8 ctx32k 168.4 us (gather 191.7,
@@ -332,7 +332,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         DOT_FP32=family == _platform.INTERPRETER and q.dtype == torch.bfloat16,
         E2M1_HW=kv_nvfp4 and _platform.NVFP4_HW_E2M1.get(family, False),
         NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
-        NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family != _platform.INTERPRETER,
+        NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

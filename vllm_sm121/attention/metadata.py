@@ -22,6 +22,9 @@ from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SPLIT_MAX_QUERY_ROWS,
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
 WORKSPACE_TOKEN_SPLITS = 2048
 MIXED_SPLIT_ENV = "VLLM_SM121_MIXED_SPLIT"
+# Mixed batches given a decode launch of their own in this process (tests read it through
+# LLM.collective_rpc: the path must have run).
+DECODE_PARTS_BUILT = 0
 
 
 @dataclasses.dataclass
@@ -92,9 +95,9 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         # Queries of up to this many tokens may split their KV (choose_num_splits); vLLM puts such
         # requests first in a batch when a builder sets reorder_batch_threshold.
         self.decode_query_max = max(1, SPLIT_MAX_QUERY_ROWS // max(1, self.num_q_heads // self.num_kv_heads))
-        self.reorder_batch_threshold = self.decode_query_max
-        # $VLLM_SM121_MIXED_SPLIT=0 keeps a mixed batch in one launch (A/B runs, tests).
+        # $VLLM_SM121_MIXED_SPLIT=0 keeps a mixed batch in one launch, in vLLM's own row order (A/B runs, tests).
         self.mixed_split = os.environ.get(MIXED_SPLIT_ENV, "1").strip() != "0"
+        self.reorder_batch_threshold = self.decode_query_max if self.mixed_split else None
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         rows = WORKSPACE_TOKEN_SPLITS * self.num_q_heads
         self._acc = torch.empty(rows * self.head_pad, dtype=torch.float32, device=device)
@@ -135,9 +138,13 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         if nd == 0 or nd == cm.num_reqs:
             return None
         qmax = max(qsl[i + 1] - qsl[i] for i in range(nd))
-        splits = self._num_splits(qsl[nd], nd, qmax, cm.max_seq_len)
+        ub = cm.seq_lens_cpu_upper_bound  # the decode rows' own longest context where vLLM gives it
+        seq_max = min(cm.max_seq_len, int(ub[:nd].max())) if ub is not None and ub.numel() >= nd else cm.max_seq_len
+        splits = self._num_splits(qsl[nd], nd, qmax, seq_max)
         if max(splits.values()) == 1:
             return None
+        global DECODE_PARTS_BUILT
+        DECODE_PARTS_BUILT += 1
         return DecodePart(num_reqs=nd, num_tokens=qsl[nd], max_query_len=qmax, num_splits=splits,
                           prefill_query_start_loc=cm.query_start_loc[nd: cm.num_reqs + 1] - qsl[nd])
 
