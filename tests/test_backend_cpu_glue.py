@@ -200,3 +200,15 @@ def test_nvfp4_cache_through_the_backend(backend_parts, layer):
     assert_close(output[:n].view(n, HQ, D), ref[:n], what=f"nvfp4 {layer}")
     assert (output[n:] == 7.0).all()
     assert pk.dequantize()[1:].abs().max() > 0  # tiny magnitudes did not underflow to zero
+
+
+def test_mixed_split_env_values(monkeypatch):
+    from vllm_sm121.attention.metadata import MIXED_SPLIT_ENV, mixed_split_enabled
+
+    monkeypatch.delenv(MIXED_SPLIT_ENV, raising=False)
+    assert mixed_split_enabled()
+    monkeypatch.setenv(MIXED_SPLIT_ENV, "0")
+    assert not mixed_split_enabled()
+    monkeypatch.setenv(MIXED_SPLIT_ENV, "off")
+    with pytest.raises(ValueError, match="VLLM_SM121_MIXED_SPLIT='off' is not supported"):
+        mixed_split_enabled()

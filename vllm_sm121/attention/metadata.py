@@ -22,6 +22,15 @@ from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SPLIT_MAX_QUERY_ROWS,
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
 WORKSPACE_TOKEN_SPLITS = 2048
 MIXED_SPLIT_ENV = "VLLM_SM121_MIXED_SPLIT"
+def mixed_split_enabled() -> bool:
+    """$VLLM_SM121_MIXED_SPLIT: "1" (default) or "0"; anything else is refused by name."""
+    value = os.environ.get(MIXED_SPLIT_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{MIXED_SPLIT_ENV}={value!r} is not supported; supported: 1 (default: a mixed batch's "
+                         "decode rows get their own split-KV launch) or 0 (one launch)")
+    return value == "1"
+
+
 # Mixed batches given a decode launch of their own in this process (tests read it through
 # LLM.collective_rpc: the path must have run).
 DECODE_PARTS_BUILT = 0
@@ -96,7 +105,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         # requests first in a batch when a builder sets reorder_batch_threshold.
         self.decode_query_max = max(1, SPLIT_MAX_QUERY_ROWS // max(1, self.num_q_heads // self.num_kv_heads))
         # $VLLM_SM121_MIXED_SPLIT=0 keeps a mixed batch in one launch, in vLLM's own row order (A/B runs, tests).
-        self.mixed_split = os.environ.get(MIXED_SPLIT_ENV, "1").strip() != "0"
+        self.mixed_split = mixed_split_enabled()
         self.reorder_batch_threshold = self.decode_query_max if self.mixed_split else None
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         rows = WORKSPACE_TOKEN_SPLITS * self.num_q_heads
