@@ -16,6 +16,11 @@ python3 -c "import vllm" || { echo "vLLM is not importable"; exit 3; }
 python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+wm_test() {  # tests/test_whole_model_gpu.py, its summary lines
+  python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wmtest.log" 2>&1; local r=$?
+  grep -E "stats|verification|same engine|mode on|control|passed|failed|Error|^E " "$OUT/wmtest.log" | head -n 30
+  return $r
+}
 rc=0
 for step in "$@"; do
   echo "=== $step $(date +%T)"
@@ -67,14 +72,12 @@ for step in "$@"; do
                echo "--- profile $a: rc $r" | tee -a "$OUT/profile.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profile.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profile.log"; fi
              done; grep -A8 "^--- profile\|^CUDA API" "$OUT/profile.log" | head -n 80; (exit $fail) ;;
-    wholemodel) python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wholemodel.log" 2>&1; r=$?
-         grep -E "stats|verification|mode on|control|passed|failed|Error|^E " "$OUT/wholemodel.log" | head -n 30; tail -n 3 "$OUT/wholemodel.log"
+    wholemodel) wm_test; r=$?  # the stage A GPU test, then the profile with and without the mode
          for a in "" "--whole-model"; do python3 benchmarks/profile_step.py $a --out "$OUT/profile_wm$a.json" > "/tmp/profile_wm$a.log" 2>&1 \
            && sed -n '/^device/,$p' "/tmp/profile_wm$a.log" | head -n 30 || tail -n 30 "/tmp/profile_wm$a.log"; done; (exit $r) ;;
     mixedsplit) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "mixed_batch" -p no:cacheprovider > "$OUT/mixedsplit.log" 2>&1; r=$?
          grep -E "gap|one launch|Error|passed|failed|^E " "$OUT/mixedsplit.log" | head -n 20; (exit $r) ;;
-    wmtest) python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wmtest.log" 2>&1; r=$?
-         grep -E "stats|verification|same engine|mode on|control|passed|failed|Error|^E " "$OUT/wmtest.log" | head -n 30; (exit $r) ;;
+    wmtest) wm_test ;;
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     par) # PAR="GPUS|VAR=val ...|step ... ;; GPUS|..." : the jobs at once, each on its own GPUs
