@@ -184,6 +184,9 @@ CONFIGS: tuple[Config, ...] = (
     # Off by default until run on a GPU: issue 7's stage A (lm_head + greedy sampling in the graph).
     Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
            "SM121, whole-model graph mode stage A (in-graph lm_head + greedy sampling)", **OFF),
+    Config("sm121-all", {**SM121, "kv_cache_dtype": "nvfp4",
+                         "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode stage A (the MoE stays vLLM's)", **OFF),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

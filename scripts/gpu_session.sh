@@ -16,9 +16,10 @@ python3 -c "import vllm" || { echo "vLLM is not importable"; exit 3; }
 python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-wm_test() {  # tests/test_whole_model_gpu.py, its summary lines
-  python3 -m pytest -q -s tests/test_whole_model_gpu.py -p no:cacheprovider > "$OUT/wmtest.log" 2>&1; local r=$?
-  grep -E "stats|verification|same engine|mode on|control|passed|failed|Error|^E " "$OUT/wmtest.log" | head -n 30
+wm_test() {  # tests/test_whole_model_gpu.py [-k EXPR], its summary lines
+  local log="$OUT/wmtest${1:+_$1}.log"
+  python3 -m pytest -q -s tests/test_whole_model_gpu.py ${1:+-k "$1"} -p no:cacheprovider > "$log" 2>&1; local r=$?
+  grep -E "stats|verification|same engine|mode on|control|passed|failed|Error|^E " "$log" | head -n 30
   return $r
 }
 rc=0
@@ -78,6 +79,7 @@ for step in "$@"; do
     mixedsplit) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "mixed_batch" -p no:cacheprovider > "$OUT/mixedsplit.log" 2>&1; r=$?
          grep -E "gap|one launch|Error|passed|failed|^E " "$OUT/mixedsplit.log" | head -n 20; (exit $r) ;;
     wmtest) wm_test ;;
+    wmtp) wm_test tp2 ;;  # the TP=2 case alone (2 GPUs)
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
     par) # PAR="GPUS|VAR=val ...|step ... ;; GPUS|..." : the jobs at once, each on its own GPUs

@@ -54,14 +54,26 @@ def test_install_worker_sets_the_worker_only_when_asked():
     (dict(mode="FULL"), "FULL replays decode batches as mixed graphs"),  # no uniform-decode keys: no tail
     (dict(v2=True), "VLLM_USE_V2_MODEL_RUNNER=0"),
     (dict(spec=object()), "stage D"),
-    (dict(tp=2), "tensor 2"),
     (dict(pp=2), "pipeline 2"),
+    (dict(dp=2), "data 2"),
     (dict(worker="my.Worker"), "--worker-cls 'my.Worker'"),
 ])
 def test_install_worker_refuses_with_the_option_named(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         T.install_worker(_vllm_config(**kw))
     assert "cudagraph" in str(e.value) and "whole_model" in str(e.value)
+
+
+def test_tensor_parallel_needs_logits_on_every_rank(monkeypatch):
+    """TP (and EP) run the tail on every rank: allowed where vLLM all-gathers the logits (CUDA),
+    refused by name where only rank 0 would receive them."""
+    monkeypatch.setattr(T, "_logits_on_every_rank", lambda: True)
+    cfg = _vllm_config(tp=2)
+    assert T.install_worker(cfg) is True and cfg.parallel_config.worker_cls == T.WORKER
+    monkeypatch.setattr(T, "_logits_on_every_rank", lambda: False)
+    with pytest.raises(ValueError, match="tensor parallelism \\(2\\).*use_all_gather"):
+        T.install_worker(_vllm_config(tp=2))
+    assert T.install_worker(_vllm_config(tp=1)) is True  # TP=1 does not ask
 
 
 def test_platform_shim_wraps_check_and_update_config_once():

@@ -148,6 +148,16 @@ class DecodeTail:
         return self.tokens[:n].to(torch.int32).unsqueeze(-1)
 
 
+def _logits_on_every_rank() -> bool:
+    """Under TP, vLLM's LogitsProcessor all-gathers the vocab shards (every rank gets the whole
+    logits, and the tail's argmax runs on each rank inside its graph, with vLLM's own collective
+    captured like the model's all-reduces) where the platform says so, which CUDA does;
+    otherwise only rank 0 receives logits."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.use_all_gather())
+
+
 def unsupported_reason(vllm_config: Any) -> str | None:
     """Why the engine configured in ``vllm_config`` cannot run the mode (None: it can)."""
     from vllm.config import CUDAGraphMode
@@ -162,10 +172,12 @@ def unsupported_reason(vllm_config: Any) -> str | None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         return "speculative decoding (Eagle3) under the mode is stage D, not built yet"
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size != 1 or pc.tensor_parallel_size != 1 or pc.data_parallel_size != 1:
-        return (f"parallelism is not supported yet (tensor {pc.tensor_parallel_size}, pipeline "
-                f"{pc.pipeline_parallel_size}, data {pc.data_parallel_size}): the in-graph lm_head gather "
-                "under TP is untested")
+    if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
+        return (f"pipeline and data parallelism are not supported (pipeline {pc.pipeline_parallel_size}, data "
+                f"{pc.data_parallel_size}); tensor and expert parallelism are")
+    if pc.tensor_parallel_size != 1 and not _logits_on_every_rank():
+        return (f"tensor parallelism ({pc.tensor_parallel_size}) needs the logits all-gathered to every rank, "
+                "and this platform gathers them to rank 0 only (Platform.use_all_gather() is False)")
     if getattr(pc, "use_ubatching", False):
         return "micro-batching (DBO) is not supported"
     return None
