@@ -225,17 +225,35 @@ def _w8a8_device_reason(device_index: int) -> str | None:
 
 # ---- conversion ----------------------------------------------------------------------------
 
-def fp8_per_channel_quantize(w: torch.Tensor, *, chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_row_amax(w: torch.Tensor, *, chunk_rows: int = 8192) -> torch.Tensor:
+    """fp32 [N]: max |w| of each row of a [N, K] weight (what ``fp8_per_channel_quantize`` scales by)."""
+    n, k = w.shape
+    amax = torch.zeros(n, dtype=torch.float32, device=w.device)
+    for r0 in range(0, n if k else 0, chunk_rows):
+        amax[r0:r0 + chunk_rows] = w[r0:r0 + chunk_rows].float().abs().amax(dim=1)
+    return amax
+
+
+def fp8_per_channel_quantize(w: torch.Tensor, *, chunk_rows: int = 8192,
+                             row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16/fp16/fp32 weight [N, K] -> (e4m3 [N, K] float8_e4m3fn, fp32 scale [N]), w ~= codes * scale.
 
     scale = amax(|row|) / 448, so each row's largest value maps to +-448 (no saturation). An
     all-zero row gets scale 1 and zero codes; a tiny nonzero amax is clamped to the smallest
     normal fp32 scale (never a zero or subnormal divisor). Non-finite weights are an error.
     Rows are converted ``chunk_rows`` at a time (bounded fp32 temporaries: lm_head is 201088 rows).
+
+    ``row_amax`` (fp32 [N], each >= the row's own max |w|): scale by it instead, for a slice of
+    wider rows (a row-parallel TP shard scaled by its whole rows' max, so its codes equal the
+    unsharded conversion's columns).
     """
     V.check_ndim("w", w, 2, "[out_features, in_features]")
     V.check_dtype("w", w, V.ACT_DTYPES + (torch.float32,))
     n, k = w.shape
+    if row_amax is not None:
+        V.check_dtype("row_amax", row_amax, (torch.float32,))
+        if tuple(row_amax.shape) != (n,):
+            raise ValueError(f"row_amax has shape {tuple(row_amax.shape)}; supported: [{n}] (one per row of w)")
     codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(n, dtype=torch.float32, device=w.device)
     for r0 in range(0, n, chunk_rows):
@@ -244,6 +262,12 @@ def fp8_per_channel_quantize(w: torch.Tensor, *, chunk_rows: int = 8192) -> tupl
             raise ValueError(f"w has non-finite values in rows {r0}..{r0 + rows.shape[0] - 1}; "
                              "supported: finite weights")
         amax = rows.abs().amax(dim=1) if k else torch.zeros(rows.shape[0], device=w.device)
+        if row_amax is not None:
+            given = row_amax[r0:r0 + chunk_rows].to(amax.device)
+            if bool((given < amax).any()):
+                raise ValueError(f"row_amax is below max |w| in rows {r0}..{r0 + rows.shape[0] - 1}; supported: "
+                                 "row_amax >= each row's max |w| (the max over all of the row's shards)")
+            amax = given
         s = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         s = torch.where(amax > 0, s, torch.ones_like(s))
         codes[r0:r0 + chunk_rows] = (rows / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

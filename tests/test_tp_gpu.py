@@ -139,7 +139,7 @@ NVFP4_CONFIGS = {"nvfp4-kv": PLUGIN,
 def test_nvfp4_at_tp2_reported(ckpt, upstream, what):
     """Everything on (nvfp4 KV, MXFP8 MoE, and FP8 dense) at TP=2 / EP=2 vs TP=1: reported with a
     sanity bound. Each rank calibrates nvfp4 scales on its heads (powers of two: the same cache
-    values) and quantizes its o_proj shard with its own scales (not TP=1's).
+    values) and scales its o_proj shard by the whole rows' max (a MAX all-reduce at load: TP=1's codes).
 
     No upstream backend reads nvfp4 on sm_90, so the configuration's own run-to-run spread is
     measured the one way available: the same TP=1 engine with prefill chunks of 512 instead of 256

@@ -79,6 +79,25 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 # ---- weights ---------------------------------------------------------------------------------
 
+def _whole_row_amax(layer: torch.nn.Module, w: torch.Tensor) -> torch.Tensor | None:
+    """A row-parallel layer under TP (o_proj: each rank holds a K-slice of every output channel):
+    the max |w| of each whole row, all-reduced (MAX) over vLLM's TP group at load time, so each
+    rank scales its slice exactly as TP=1 scales the row and the codes are TP=1's. None for every
+    other layer (a column-parallel or vocab-parallel shard holds whole rows already)."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    if not isinstance(layer, RowParallelLinear) or getattr(layer, "tp_size", 1) == 1:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    from vllm_sm121.kernels.dense import fp8_row_amax
+
+    amax = fp8_row_amax(w)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=get_tp_group().device_group)
+    return amax
+
+
 def convert_layer_weight_(layer: torch.nn.Module) -> None:
     """bf16 ``layer.weight`` [N, K] -> e4m3 ``layer.weight`` + fp32 ``layer.weight_scale`` [N] (in place)."""
     from vllm_sm121.kernels.dense import fp8_per_channel_quantize
@@ -86,7 +105,7 @@ def convert_layer_weight_(layer: torch.nn.Module) -> None:
     w = layer.weight
     if w.dtype == torch.float8_e4m3fn and hasattr(layer, "weight_scale"):
         return  # converted already (process_weights_after_loading may run again on a reload)
-    codes, scale = fp8_per_channel_quantize(w.data)
+    codes, scale = fp8_per_channel_quantize(w.data, row_amax=_whole_row_amax(layer, w.data))
     del layer.weight  # drop the bf16 parameter (and its storage once nothing else holds it)
     layer.register_parameter("weight", torch.nn.Parameter(codes, requires_grad=False))
     layer.register_parameter("weight_scale", torch.nn.Parameter(scale, requires_grad=False))
