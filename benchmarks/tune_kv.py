@@ -3,9 +3,10 @@
 For gpt-oss decode (64 q / 8 KV heads, head_dim 64, sinks, full attention) at a few batch/context
 points, times SM121's paged attention with bf16, fp8 and nvfp4 pages over a small tile grid
 and, for nvfp4, the page loads (``NVFP4_VEC``: contiguous rows transposed in registers, or
-strided gathers) and the inline-PTX decode (``NVFP4_ASM``, with gathers); prints µs, KV bytes read
+strided gathers), the inline-PTX decode (``NVFP4_ASM``, with gathers) and the 32-bit word
+loads with the e4m3-byte decode (``NVFP4_WORDS``, "words"); prints µs, KV bytes read
 and % of the copy bandwidth measured in the same run, the best per (kv dtype, point), and the
-speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_VEC`` / ``NVFP4_ASM``.
+speed-up of the best fp8/nvfp4 over the best bf16. Feeds ``platform.py`` / ``NVFP4_VEC`` / ``NVFP4_ASM`` / ``NVFP4_WORDS``.
 
     python benchmarks/tune_kv.py [--out tune_kv.json] [--quick]
     python benchmarks/tune_kv.py --prefill [--out tune_kv_prefill.json]
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     from vllm_sm121.platform import AttnTile
 
     pa = sys.modules["vllm_sm121.kernels.paged_attention"]
-    defaults = (pa.NVFP4_VEC, pa.NVFP4_ASM)
+    defaults = (pa.NVFP4_VEC, pa.NVFP4_ASM, pa.NVFP4_WORDS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_copy_bandwidth(torch.device("cuda"))["gbps"] * 1e9
     points = [(8, 32768), (32, 32768), (1, 131072)] if not args.quick else [(32, 32768)]
@@ -94,9 +95,10 @@ def main(argv=None) -> int:
         for kv in ("bf16", "fp8", "nvfp4"):
             inputs, elem = _pages(kv, base)
             kv_bytes = 2 * batch * ctx * HKV * D * elem
-            for tile, variant in itertools.product(tiles, ("gather", "vec", "asm") if kv == "nvfp4" else ("-",)):
+            for tile, variant in itertools.product(tiles, ("gather", "vec", "asm", "words") if kv == "nvfp4" else ("-",)):
                 pa.NVFP4_VEC = variant == "vec"
-                pa.NVFP4_ASM = variant == "asm"
+                pa.NVFP4_ASM = variant in ("asm", "words")
+                pa.NVFP4_WORDS = variant == "words"
                 fn = lambda: paged_attention(**inputs, tile=tile, num_splits=splits)  # noqa: E731
                 try:
                     fn()
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
                     best[kv] = (us, tile, variant)
                 print(f"B={batch:<3} ctx={ctx:<7} {kv:<6} tile={dataclasses.astuple(tile)} {variant}: "
                       + (f"{us:8.1f} us  {rec['pct_bw']:5.1f}% BW" if err is None else err), flush=True)
-        pa.NVFP4_VEC, pa.NVFP4_ASM = defaults
+        pa.NVFP4_VEC, pa.NVFP4_ASM, pa.NVFP4_WORDS = defaults
         b16 = best["bf16"][0]
         print(f"== B={batch} ctx={ctx}: best " + "  ".join(
             f"{kv} {us:.1f} us tile={dataclasses.astuple(t)} variant={h} ({b16 / us:.2f}x bf16)" for kv, (us, t, h) in best.items()))

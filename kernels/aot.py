@@ -106,7 +106,7 @@ def attention_specs(family: str) -> list[Spec]:
                 BLOCK_Q=tile.block_m // gqa, TILE_N=tile.tile_n, SLIDING_WINDOW=128 if features else 0,
                 USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
                 NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, E2M1_HW=False, NVFP4_VEC=False,
-                NVFP4_ASM=False,
+                NVFP4_ASM=False, NVFP4_WORDS=False,
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
@@ -114,18 +114,21 @@ def attention_specs(family: str) -> list[Spec]:
         ))
     tile = _platform.attn_tile(family, "decode_nvfp4", 64)
     # The hardware e2m1 conversion exists only on the sm_12x (and sm_100+) targets.
-    variants = [(False, False, False), (False, True, False), (False, False, True)]
+    # (hw, vec, asm, words); "-words-asm" is the sm_90 default (launcher NVFP4_WORDS), compiled
+    # for sm_121a too so its inline PTX stays valid there.
+    variants = [(False, False, False, False), (False, True, False, False), (False, False, True, False),
+                (False, False, True, True)]
     if family == _platform.SM12X:
-        variants += [(True, False, False), (True, True, False)]
-    for hw, vec, asm in variants:
+        variants += [(True, False, False, False), (True, True, False, False)]
+    for hw, vec, asm, words in variants:
         specs.append(Spec(
             name=(f"paged_attention[decode,d64,nvfp4{'-hw-e2m1' if hw else ''}{'-vec' if vec else ''}"
-                  f"{'-asm' if asm else ''},all-features]"),
+                  f"{'-words' if words else ''}{'-asm' if asm else ''},all-features]"),
             fn=_paged_attention_kernel,
             constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                             BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
                             USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False,
-                            E2M1_HW=hw, NVFP4_VEC=vec, NVFP4_ASM=asm),
+                            E2M1_HW=hw, NVFP4_VEC=vec, NVFP4_ASM=asm, NVFP4_WORDS=words),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
                            v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
                            query_start_loc_ptr="*i32"),

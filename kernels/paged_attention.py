@@ -67,6 +67,15 @@ NVFP4_VEC = False
 # bf16 200.2), b32 ctx32k 631.2 (726.6; bf16 732.2), b1 ctx128k 92.4 (103.6; bf16 111.0).
 # The interpreter cannot run inline PTX: it always takes the per-element decode.
 NVFP4_ASM = True
+# nvfp4, sm_90 only (as NVFP4_ASM): the pages as 32-bit words (8 values each, one address per
+# word), decoded through e4m3 bytes and cvt.rn.f16x2.e4m3x2 (_e2m1_word_e4m3_times_scale_f16),
+# V decoded as V^T (contiguous 16-byte shared-memory stores instead of 2-byte ones). Static
+# proxy (`python -m vllm_sm121.kernels.aot --arch 90 --sass-loop nvfp4`, all-features d64
+# decode): 1214 sm_90a instructions per loop iteration vs 1572 for NVFP4_ASM alone (bf16 KV at
+# the same features: 1008). Not yet run on a GPU: the CPU tests run its Triton form (same
+# values), tests/test_fp4_kv.py "words" checks the PTX on a GPU. Needs 4-byte aligned page
+# rows (checked per call; otherwise the NVFP4_ASM decode).
+NVFP4_WORDS = True
 
 
 @dataclasses.dataclass
@@ -265,6 +274,11 @@ def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_s
                    workspace=workspace, tile=tile)
 
 
+def _word_aligned(*pages: torch.Tensor) -> bool:
+    """Whether every (page, head, token) row of these uint8 nvfp4 data views starts 4-byte aligned."""
+    return all(p.data_ptr() % 4 == 0 and all(p.stride(i) % 4 == 0 for i in range(3)) for p in pages)
+
+
 def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_start_loc, seq_lens, *, kv_fp8,
             kv_nvfp4, k_scale, v_scale, max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out,
             num_splits, workspace, tile):
@@ -333,6 +347,8 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         E2M1_HW=kv_nvfp4 and _platform.NVFP4_HW_E2M1.get(family, False),
         NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
+        NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
+        and _word_aligned(key_cache, value_cache),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

@@ -56,20 +56,23 @@ def test_page_view_rejects_wrong_size():
     ("mixed", [1, 6, 20], [50, 30, 20], 16, None),
     ("decode-split", [1], [70], None, 2),
 ])
-@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q"])
+@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q", "words", "words-fp16-q"])
 def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, variant, monkeypatch):
     """The attention kernel dequantizes NVFP4 pages in registers: it matches the reference on the
     same pages (dequantized by torch), so the tolerance measures the kernel only. Both page-load
     variants (strided gathers, contiguous rows) are checked, and the inline-PTX decode (NVFP4_ASM,
     GPU only: the interpreter cannot run inline PTX). "fp16-q": an fp16 model, which also runs the
-    fp16-operand MMA path under the interpreter (bf16 q takes fp32 dots there)."""
+    fp16-operand MMA path under the interpreter (bf16 q takes fp32 dots there). "words": 32-bit
+    page words decoded through e4m3 bytes (NVFP4_WORDS; inline PTX on an sm_90 GPU, its Triton
+    form under the interpreter)."""
     import sys
 
     if variant == "asm" and device == "cpu":
         pytest.skip("inline PTX: GPU only")
     module = sys.modules["vllm_sm121.kernels.paged_attention"]
     monkeypatch.setattr(module, "NVFP4_VEC", variant == "vec")
-    monkeypatch.setattr(module, "NVFP4_ASM", variant == "asm")
+    monkeypatch.setattr(module, "NVFP4_ASM", variant in ("asm", "words", "words-fp16-q"))
+    monkeypatch.setattr(module, "NVFP4_WORDS", variant.startswith("words"))
     from helpers import assert_close
     from vllm_sm121.kernels import paged_attention, paged_attention_torch
 
@@ -92,7 +95,7 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
         slots += [int(block_table[i, t // bs]) * bs + t % bs for t in range(s)]
     kv = torch.randn(len(slots), 2, hkv, d, generator=g).bfloat16()
     fp4_kv_write_torch(kv[:, 0], kv[:, 1], kp, vp, torch.tensor(slots))
-    q = torch.randn(sum(q_lens), hq, d, generator=g).to(torch.float16 if variant == "fp16-q" else torch.bfloat16)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(torch.float16 if variant.endswith("fp16-q") else torch.bfloat16)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     sinks = torch.randn(hq, generator=g)

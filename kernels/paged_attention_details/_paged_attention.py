@@ -21,6 +21,8 @@ RCP_LN2 = tl.constexpr(1.4426950408889634)
 # The bit-trick decode below yields e2m1 * 2**-14; the kernel folds the 2**14 back into the
 # QK scale and the output (one multiply per score / output element, not per cache element).
 E2M1_BIT_UNIT = tl.constexpr(16384.0)
+# The e4m3-byte decode (NVFP4_WORDS) yields e2m1 * 2**-6.
+E2M1_E4M3_UNIT = tl.constexpr(64.0)
 
 
 @triton.jit
@@ -75,6 +77,62 @@ def _e2m1_words_times_scale_f16(packed, scale_f16):
         mul.rn.f16x2 $2, a, $5; mul.rn.f16x2 $3, b, $6; }""",
         constraints="=r,=r,=r,=r,r,r,r", args=[packed, scale_f16], dtype=(tl.float16, tl.float16),
         is_pure=True, pack=4)
+
+
+@triton.jit
+def _interleave4(a, b, c, d):
+    """[W, N] x 4 -> [4W, N] with row 4w + j from the j-th argument's row w."""
+    x = tl.join(tl.join(a, b), tl.join(c, d))  # [W, N, i, k] = argument 2k + i
+    x = tl.permute(x, (0, 3, 2, 1))  # [W, k, i, N]
+    return tl.reshape(x, [4 * a.shape[0], a.shape[1]])
+
+
+@triton.jit
+def _e2m1_byte_e4m3_f16(words, j: tl.constexpr, scale_f16):
+    """(low, high) nibble of byte j of ``words`` times ``scale_f16`` in units of 2**-6: the
+    Triton form of ``_e2m1_word_e4m3_times_scale_f16``'s inline PTX (same values)."""
+    c = (words >> (8 * j)) & 0xFF
+    lo = (((c & 8) << 4) | ((c & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = ((c & 0x80) | ((c >> 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo * scale_f16, hi * scale_f16
+
+
+@triton.jit
+def _e2m1_word_e4m3_times_scale_f16(words, scale_f16, NVFP4_ASM: tl.constexpr):
+    """Low and high nibbles of 32-bit words of packed e2m1 (``words`` [W, N] int32, 8 values
+    each, element 2i in the low nibble of byte i) times fp16 block scales ([W, N]), in fp16
+    units of 2**-6 (``E2M1_E4M3_UNIT``): returns (low nibbles [4W, N], high nibbles [4W, N]),
+    row 4w + j from byte j of word w.
+
+    An e2m1 nibble s|m (sign, 3 magnitude bits) is the e4m3 byte s << 7 | m << 2 of the value
+    times 2**-6 (e2m1's exponent bias 1 vs e4m3's 7; its subnormal 0.5 lands on e4m3's
+    subnormal 2**-7). With NVFP4_ASM, inline PTX (sm_89+ and sm_12x; the interpreter cannot run
+    it): masks and shifts of the whole word make the 4 e4m3 bytes of each nibble half,
+    ``cvt.rn.f16x2.e4m3x2`` turns each byte pair into an fp16 pair and ``mul.rn.f16x2``
+    scales it, ~2.1 instructions per value (sm_90a SASS) instead of the ~2.9 of
+    ``_e2m1_words_times_scale_f16``. Exact: products have <= 2 x 4 significant bits and stay
+    above fp16's subnormal step for any e4m3 scale. Without NVFP4_ASM the same values from
+    Triton integer ops (the interpreter's path)."""
+    if NVFP4_ASM:
+        o = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 w, a, b, lo, hi, s2; .reg .b16 l0, l1, h0, h1;
+            mov.b32 w, $8;
+            mov.b32 s2, {$9, $9};
+            and.b32 b, w, 0x80808080; shr.b32 a, w, 2; and.b32 a, a, 0x1C1C1C1C; or.b32 hi, a, b;
+            shl.b32 a, w, 4; and.b32 a, a, 0x80808080; shl.b32 b, w, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 lo, a, b;
+            mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi;
+            cvt.rn.f16x2.e4m3x2 a, l0; mul.rn.f16x2 a, a, s2; mov.b32 {$0, $1}, a;
+            cvt.rn.f16x2.e4m3x2 a, l1; mul.rn.f16x2 a, a, s2; mov.b32 {$2, $3}, a;
+            cvt.rn.f16x2.e4m3x2 a, h0; mul.rn.f16x2 a, a, s2; mov.b32 {$4, $5}, a;
+            cvt.rn.f16x2.e4m3x2 a, h1; mul.rn.f16x2 a, a, s2; mov.b32 {$6, $7}, a; }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h", args=[words, scale_f16], dtype=(tl.float16,) * 8,
+            is_pure=True, pack=1)
+        return _interleave4(o[0], o[1], o[2], o[3]), _interleave4(o[4], o[5], o[6], o[7])
+    l0, h0 = _e2m1_byte_e4m3_f16(words, 0, scale_f16)
+    l1, h1 = _e2m1_byte_e4m3_f16(words, 1, scale_f16)
+    l2, h2 = _e2m1_byte_e4m3_f16(words, 2, scale_f16)
+    l3, h3 = _e2m1_byte_e4m3_f16(words, 3, scale_f16)
+    return _interleave4(l0, l1, l2, l3), _interleave4(h0, h1, h2, h3)
 
 
 @triton.jit
@@ -159,6 +217,7 @@ def _paged_attention_kernel(
     E2M1_HW: tl.constexpr,  # nvfp4: hardware e2m1x2 -> f16x2 conversion (sm_12x only; never on sm_90)
     NVFP4_VEC: tl.constexpr,  # nvfp4: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
     NVFP4_ASM: tl.constexpr,  # nvfp4, bit-trick decode: 4 bytes per inline-PTX block (not for the interpreter)
+    NVFP4_WORDS: tl.constexpr,  # nvfp4: 32-bit word loads, e4m3-byte decode (inline PTX with NVFP4_ASM), V as V^T
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -227,7 +286,10 @@ def _paged_attention_kernel(
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     out_unit = 1.0  # what the accumulated P @ V still needs besides 1 / l and the V scale
-    if KV_NVFP4 and not E2M1_HW:
+    if KV_NVFP4 and NVFP4_WORDS:
+        qk_scale = qk_scale * E2M1_E4M3_UNIT
+        out_unit = E2M1_E4M3_UNIT
+    elif KV_NVFP4 and not E2M1_HW:
         qk_scale = qk_scale * E2M1_BIT_UNIT
         out_unit = E2M1_BIT_UNIT
     if not USE_SOFTCAP:
@@ -252,7 +314,29 @@ def _paged_attention_kernel(
         n_ok = (offs_n >= kv_begin) & (offs_n < kv_end)
         page = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        if KV_NVFP4:
+        if KV_NVFP4 and NVFP4_WORDS:
+            # K^T and V^T as [word, token]: 4 packed bytes (8 values) per int32 (page rows are
+            # HEAD_SIZE / 2 bytes; the launcher checks 4-byte alignment), block scale w // 2
+            # (Triton loads it once per token and block: the addresses repeat).
+            offs_w = tl.arange(0, HEAD_PAD // 8)
+            kw = tl.load((k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t).to(tl.pointer_type(tl.int32))
+                         + offs_w[:, None], mask=n_ok[None, :], other=0)
+            ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
+                         + slot[None, :] * (HEAD_SIZE // 16) + offs_w[:, None] // 2, mask=n_ok[None, :], other=0)
+            k_lo, k_hi = _e2m1_word_e4m3_times_scale_f16(kw, ks.to(tl.float8e4nv, bitcast=True).to(tl.float16), NVFP4_ASM)
+            vw = tl.load((v_base + page[None, :] * stride_v_b + slot[None, :] * stride_v_t).to(tl.pointer_type(tl.int32))
+                         + offs_w[:, None], mask=n_ok[None, :], other=0)
+            vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[None, :] * stride_vb_b
+                         + slot[None, :] * (HEAD_SIZE // 16) + offs_w[:, None] // 2, mask=n_ok[None, :], other=0)
+            vt_lo, vt_hi = _e2m1_word_e4m3_times_scale_f16(vw, vs.to(tl.float8e4nv, bitcast=True).to(tl.float16), NVFP4_ASM)
+            # V^T decoded, then transposed: decoding V as [token, word] makes Triton store the
+            # decoded values to shared memory 2 bytes at a time (sm_90a SASS: 64 STS.U16).
+            v_lo = tl.trans(vt_lo)
+            v_hi = tl.trans(vt_hi)
+            if DOT_FP32:
+                k_lo, k_hi, v_lo, v_hi = k_lo.to(tl.float32), k_hi.to(tl.float32), v_lo.to(tl.float32), v_hi.to(tl.float32)
+            s = (tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi)) * qk_scale
+        elif KV_NVFP4:
             # K^T halves [D/2, TILE_N] and V halves [TILE_N, D/2] straight from the packed bytes;
             # the e4m3 scale of element pair i is scale (2i) // 16 = i // 8 of its token.
             if NVFP4_VEC:
