@@ -114,8 +114,8 @@ def attention_specs(family: str) -> list[Spec]:
         ))
     tile = _platform.attn_tile(family, "decode_nvfp4", 64)
     # The hardware e2m1 conversion exists only on the sm_12x (and sm_100+) targets.
-    # (hw, vec, asm, words); "-words-asm" is the sm_90 default (launcher NVFP4_WORDS), compiled
-    # for sm_121a too so its inline PTX stays valid there.
+    # (hw, vec, asm, words); "-asm" is the sm_90 default (launcher NVFP4_ASM); "-words-asm" the
+    # off-by-default NVFP4_WORDS variant, compiled for sm_121a too so its inline PTX stays valid.
     variants = [(False, False, False, False), (False, True, False, False), (False, False, True, False),
                 (False, False, True, True)]
     if family == _platform.SM12X:

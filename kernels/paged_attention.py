@@ -67,16 +67,18 @@ NVFP4_VEC = False
 # bf16 200.2), b32 ctx32k 631.2 (726.6; bf16 732.2), b1 ctx128k 92.4 (103.6; bf16 111.0).
 # The interpreter cannot run inline PTX: it always takes the per-element decode.
 NVFP4_ASM = True
-# nvfp4, sm_90 only (as NVFP4_ASM), OFF: the pages as 32-bit words (8 values each, one address
-# per word), decoded through e4m3 bytes and cvt.rn.f16x2.e4m3x2 (_e2m1_word_e4m3_times_scale_f16),
-# V decoded as V^T. Fewer static instructions (all-features d64 decode: 1214 sm_90a instructions
-# per loop iteration vs 1572 for NVFP4_ASM alone) but slower when timed (H100, commit 93825e5,
-# tune_kv, tile (16, 128, 4, 3)): B=8 ctx 32k 209.4 us vs 170.6, B=32 ctx 32k 792.7 vs 632.5,
-# B=1 ctx 128k 97.6 vs 93.7. In that run (on by default) the nvfp4 + FP8-dense TP=1 engine with
-# other prefill tiles ($VLLM_SM121_ATTN_TILE prefill=32,32,4,2;prefill_sw=32,16,4,2) moved
-# teacher-forced logprobs by 1.15 mean against the default tiles (0.14 with NVFP4_ASM alone):
-# treat it as wrong on a GPU until tests/test_fp4_kv.py "words" passes there. Needs 4-byte
-# aligned page rows (checked per call).
+# nvfp4 page reads of every kind (decode and prefill), sm_90 only (as NVFP4_ASM), OFF: the pages
+# as 32-bit words (8 values each, one address per word), decoded through e4m3 bytes and
+# cvt.rn.f16x2.e4m3x2 (_e2m1_word_e4m3_times_scale_f16), V decoded as V^T. Fewer static
+# instructions (all-features d64 decode: 1214 sm_90a instructions per loop iteration vs 1572 for
+# NVFP4_ASM alone) but slower when timed (H100, commit 93825e5, tune_kv, tile (16, 128, 4, 3)):
+# B=8 ctx 32k 209.4 us vs 170.6, B=32 ctx 32k 792.7 vs 632.5, B=1 ctx 128k 97.6 vs 93.7. In that
+# run (on by default) the nvfp4 + FP8-dense TP=1 engine with other prefill tiles
+# ($VLLM_SM121_ATTN_TILE prefill=32,32,4,2;prefill_sw=32,16,4,2) moved teacher-forced (prefill)
+# logprobs by 1.15 mean against the default tiles (0.14 with NVFP4_ASM alone; which tile set is
+# wrong is not known): treat it as wrong on a GPU until tests/test_fp4_kv.py "words" and
+# "words-triton" (its Triton form, NVFP4_ASM off) pass there. Needs 4-byte aligned page rows
+# (checked per call).
 NVFP4_WORDS = False
 
 

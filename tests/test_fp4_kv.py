@@ -53,10 +53,11 @@ def test_page_view_rejects_wrong_size():
 
 @pytest.mark.parametrize("kind,q_lens,seq_lens,window,splits", [
     ("decode", [1, 1], [40, 17], None, None),
+    ("prefill", [24, 9], [60, 9], None, None),
     ("mixed", [1, 6, 20], [50, 30, 20], 16, None),
     ("decode-split", [1], [70], None, 2),
 ])
-@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q", "words", "words-fp16-q"])
+@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q", "words", "words-fp16-q", "words-triton"])
 def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, variant, monkeypatch):
     """The attention kernel dequantizes NVFP4 pages in registers: it matches the reference on the
     same pages (dequantized by torch), so the tolerance measures the kernel only. Both page-load
@@ -64,14 +65,16 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
     GPU only: the interpreter cannot run inline PTX). "fp16-q": an fp16 model, which also runs the
     fp16-operand MMA path under the interpreter (bf16 q takes fp32 dots there). "words": 32-bit
     page words decoded through e4m3 bytes (NVFP4_WORDS; inline PTX on an sm_90 GPU, its Triton
-    form under the interpreter)."""
+    form under the interpreter; "words-triton" runs that Triton form on the GPU)."""
     import sys
 
     if variant == "asm" and device == "cpu":
         pytest.skip("inline PTX: GPU only")
+    if variant == "words-triton" and device == "cpu":
+        pytest.skip("the interpreter runs the Triton form for \"words\" already")
     module = sys.modules["vllm_sm121.kernels.paged_attention"]
     monkeypatch.setattr(module, "NVFP4_VEC", variant == "vec")
-    monkeypatch.setattr(module, "NVFP4_ASM", variant in ("asm", "words", "words-fp16-q"))
+    monkeypatch.setattr(module, "NVFP4_ASM", variant in ("asm", "words", "words-fp16-q"))  # "words-triton": off
     monkeypatch.setattr(module, "NVFP4_WORDS", variant.startswith("words"))
     from helpers import assert_close
     from vllm_sm121.kernels import paged_attention, paged_attention_torch

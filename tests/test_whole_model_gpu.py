@@ -78,7 +78,8 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
             llm.collective_rpc("sm121_graph_verify", args=(True,))
             for n in SIZES:
                 out[f"verified{n}"] = _gen(llm, greedy, n)[0]
-            out["verify"] = llm.collective_rpc("sm121_graph_stats")[0]["verify"]
+            ranks = llm.collective_rpc("sm121_graph_stats")  # one dict per worker (TP rank)
+            out["verify"], out["verify_ranks"] = ranks[0]["verify"], [r["verify"] for r in ranks]
             llm.collective_rpc("sm121_graph_verify", args=(False,))
         for n in SIZES:
             out[f"logprobs{n}"], res = _gen(llm, lp, n)
@@ -89,7 +90,8 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
         res = llm.generate([{"prompt_token_ids": p} for p in _prompts(4)], mixed, use_tqdm=False)
         out["mixed"] = [list(r.outputs[0].token_ids) for r in res]
         if whole_model:
-            out["stats"] = llm.collective_rpc("sm121_graph_stats")[0]
+            out["stats_ranks"] = llm.collective_rpc("sm121_graph_stats")
+            out["stats"] = out["stats_ranks"][0]
     finally:
         del llm
         gc.collect()
@@ -153,10 +155,14 @@ def test_sampling_and_logprob_batches_fall_back(runs):
 def test_tp2_graph_tokens_equal_stock_tokens_on_the_same_logits(checkpoint):
     """Issue 10: the mode at TP=2. Each rank's graph ends in the vocab-parallel lm_head, vLLM's
     own logits all-gather (captured like the model's all-reduces) and the argmax; verification
-    runs stock's lm_head + sampler on the same hidden states on every rank (rank 0's counters
-    are asserted). Same checks as at TP=1, fallbacks included."""
+    runs stock's lm_head + sampler on the same hidden states on every rank, and every rank's
+    counters are asserted (each rank feeds its own tokens into its next step). Same checks as at
+    TP=1, fallbacks included."""
     on = _serve(checkpoint, True, tp=2)
-    print(f"\nTP=2 whole-model stage A stats: {on['stats']}\nverification: {on['verify']}")
-    _assert_verified(on)
+    print(f"\nTP=2 whole-model stage A stats: {on['stats_ranks']}\nverification: {on['verify_ranks']}")
+    assert len(on["stats_ranks"]) == 2 == len(on["verify_ranks"])
+    for stats, verify in zip(on["stats_ranks"], on["verify_ranks"]):  # every rank samples for itself
+        _assert_verified({**on, "stats": stats, "verify": verify})
+    assert len({r["taken"] for r in on["stats_ranks"]}) == 1, on["stats_ranks"]  # ranks in step
     reasons = " ".join(on["stats"]["fallbacks"])
     assert "temperature > 0" in reasons and "logprobs" in reasons, on["stats"]
