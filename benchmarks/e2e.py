@@ -53,7 +53,14 @@ Points (``POINTS`` below; ``--points a,b``)
                 the same at batch 8 / 16 (opt-in: not in the default points); a point whose
                 batch x length exceeds the KV capacity vLLM reports is flagged suspect (preemption).
                 With chunked prefill, early requests decode while later ones still prefill, so
-                the estimate also carries those mixed steps.
+                the estimate also carries those mixed steps, unless --cached-prompts.
+    --cached-prompts
+                vLLM's prefix caching on (every configuration): each decode point's prompts are
+                prefilled once, untimed ("prime_s": the cold t(1)), and every later run finds
+                them cached (it recomputes only the last partial block), so all requests decode
+                together from the first step and each run skips the long prefill. Prefill points
+                get fresh prompts on every run (no cache hits). Off by default (earlier results
+                were measured without it; caching adds block hashing to the host's step).
     Every point: --warmup untimed runs of each timed shape (Triton JIT, autotuning), then
     --iters timed repetitions (t(1) and t(128) interleaved per repetition); decode ms/step =
     (min t(128) - min t(1)) / 127 (host stalls of 1-3 s hit random iterations on H100, upstream
@@ -428,7 +435,7 @@ def round_up(x: int, m: int) -> int:
 
 def base_llm_kwargs(
     model_dir: Path, hf: dict, points: list[Point], quick: bool, seed: int, tp: int = 1, ep: bool = False,
-    engine_timestamps: bool = False,
+    engine_timestamps: bool = False, cached_prompts: bool = False,
 ) -> dict:
     needed = max(4096, round_up(max(p.max_len for p in points), 1024))
     positions = int(hf.get("max_position_embeddings") or 0)
@@ -438,7 +445,8 @@ def base_llm_kwargs(
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
         "seed": seed,
-        "enable_prefix_caching": False,  # the timed runs repeat their prompts
+        # the timed runs repeat their prompts; --cached-prompts relies on exactly that
+        "enable_prefix_caching": bool(cached_prompts),
         # longest point; the model's limit caps it (points beyond it are skipped, noted)
         "max_model_len": min(needed, positions) if positions else needed,
     }
@@ -514,7 +522,7 @@ def build_plan(args) -> list[ModelPlan]:
             raise ValueError(f"--model {text!r}: {path / 'config.json'}: {e}") from e
         base = base_llm_kwargs(path, hf, points, args.quick, args.seed,
                                getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False),
-                               getattr(args, "engine_timestamps", False))
+                               getattr(args, "engine_timestamps", False), getattr(args, "cached_prompts", False))
         runs = []
         for cfg in args.config_objs:
             kw = llm_kwargs_for(cfg, base, args.llm_kwargs_obj)
@@ -577,9 +585,10 @@ def _fmt_dur(s: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def make_prompts(pt: Point, vocab: int, seed: int) -> list[dict]:
-    """Fixed random token ids per point (TokensPrompt dicts), distinct per sequence."""
-    rng = random.Random(f"{seed}:{pt.name}")
+def make_prompts(pt: Point, vocab: int, seed: int, run: int | None = None) -> list[dict]:
+    """Fixed random token ids per point (TokensPrompt dicts), distinct per sequence; ``run``
+    (prefill points under --cached-prompts) makes them distinct per run too."""
+    rng = random.Random(f"{seed}:{pt.name}" if run is None else f"{seed}:{pt.name}:{run}")
     return [
         {"prompt_token_ids": [rng.randrange(vocab) for _ in range(pt.prompt_len)]}
         for _ in range(pt.batch)
@@ -773,15 +782,18 @@ def run_tg_pairs(measure_pair, iters: int, extra: int, n: int, batch: int, say) 
 def run_point(llm, pt: Point, vocab: int, spec: dict, say) -> dict:
     prompts = make_prompts(pt, vocab, spec["seed"])
     warmup, iters = spec["warmup"], spec["iters"]
-    rec: dict[str, Any] = {"status": "ok", "warmup_s": []}
+    cached = bool(spec.get("cached_prompts"))
+    rec: dict[str, Any] = {"status": "ok", "warmup_s": [], "cached_prompts": cached}
     if pt.kind == "pp":
+        # under --cached-prompts every prefill run gets prompts never seen before
+        fresh = (lambda r: make_prompts(pt, vocab, spec["seed"], run=r)) if cached else (lambda r: prompts)
         for i in range(warmup):
             say(f"warm-up {i + 1}/{warmup}")
-            rec["warmup_s"].append(_timed_generate(llm, prompts, 1))
+            rec["warmup_s"].append(_timed_generate(llm, fresh(i), 1))
         ts = []
         for i in range(iters):
             say(f"iter {i + 1}/{iters}")
-            ts.append(_timed_generate(llm, prompts, 1))
+            ts.append(_timed_generate(llm, fresh(warmup + i), 1))
         toks = [pt.batch * pt.prompt_len / t for t in ts]
         rec.update(
             t_s=ts,
@@ -792,6 +804,9 @@ def run_point(llm, pt: Point, vocab: int, spec: dict, say) -> dict:
         )
         return rec
     n = pt.gen_len
+    if cached:  # the one cold prefill of these prompts; every later run finds them cached
+        say("priming the prefix cache")
+        rec["prime_s"] = _timed_generate(llm, prompts, 1)
     for i in range(warmup):
         say(f"warm-up {i + 1}/{warmup}")
         rec["warmup_s"].append(
@@ -1132,6 +1147,7 @@ def make_header(args, copy_bw: dict | None) -> dict:
         "tensor_parallel_size": tp,
         "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
         "engine_timestamps": bool(getattr(args, "engine_timestamps", False)),
+        "cached_prompts": bool(getattr(args, "cached_prompts", False)),
         "copy_bandwidth": copy_bw,
         "copy_bandwidth_gbps": (copy_bw or {}).get("gbps"),
         "gb10": {"bandwidth_gbps": GB10_BANDWIDTH_GBPS, "published": PUBLISHED_GB10},
@@ -1588,6 +1604,14 @@ def parse_args(argv=None):
         "agree with the min-based estimate within 5%% (default 4; 0 = off)",
     )
     ap.add_argument(
+        "--cached-prompts",
+        action="store_true",
+        help="prefix caching on: decode points prefill their prompts once (untimed, JSON prime_s) "
+        "and then run from the cache, so every request decodes from the first step (clean batch "
+        "decode after long prompts, no repeated long prefills); prefill points get fresh prompts "
+        "per run. Off by default",
+    )
+    ap.add_argument(
         "--engine-timestamps",
         action="store_true",
         help="turn vLLM's request stats on (disable_log_stats=False, every configuration) and also "
@@ -1865,6 +1889,7 @@ def main(argv=None) -> int:
                 "extra_iters": args.extra_iters,
                 "warmup": args.warmup,
                 "seed": args.seed,
+                "cached_prompts": bool(getattr(args, "cached_prompts", False)),
                 "vocab": m.hf_config["vocab_size"],
                 "t0": t_start,
             }

@@ -677,3 +677,38 @@ def test_points_over_the_kv_capacity_are_flagged_suspect():
     assert "suspect" not in p["tg128@32k"] and "suspect" not in p["pp2048"]
     e2e.flag_over_capacity(res, 200_000)
     assert p["tg128-b8@32k"]["suspect"].startswith("spread; batch x length 263,168")
+
+
+def test_cached_prompts_prime_decode_points_and_refresh_prefill_points():
+    """--cached-prompts: prefix caching on in every configuration; a decode point prefills its
+    prompts once, untimed (prime_s), then times runs on the same (now cached) prompts; a prefill
+    point sends prompts never seen before on every run, so no run hits the cache."""
+    import types
+
+    args = e2e.parse_args(["--model", "gpt-oss-tiny", "--cached-prompts", "--configs", "upstream-default,sm121"])
+    for run in e2e.build_plan(args)[0].runs:
+        assert run["llm_kwargs"]["enable_prefix_caching"] is True
+    default = e2e.build_plan(e2e.parse_args(["--model", "gpt-oss-tiny", "--configs", "sm121"]))
+    assert default[0].runs[0]["llm_kwargs"]["enable_prefix_caching"] is False
+    assert e2e.make_header(args, None)["cached_prompts"] is True
+
+    seen = []
+
+    class FakeLLM:
+        def generate(self, prompts, sp, use_tqdm=False):
+            seen.append((sp.max_tokens, tuple(tuple(p["prompt_token_ids"]) for p in prompts)))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * sp.max_tokens)], metrics=None)
+                    for _ in prompts]
+
+    spec = {"seed": 0, "warmup": 1, "iters": 2, "extra_iters": 0, "cached_prompts": True}
+    tg = e2e.Point("tg8-b2", "tg", 2, 20, 8)
+    rec = e2e.run_point(FakeLLM(), tg, 1000, spec, lambda msg: None)
+    assert [n for n, _ in seen] == [1, 1, 8, 1, 8, 1, 8]  # prime, warm-up pair, 2 timed pairs
+    assert len({p for _, p in seen}) == 1 and rec["cached_prompts"] is True and rec["prime_s"] >= 0
+    seen.clear()
+    pp = e2e.Point("pp20", "pp", 1, 20, 1)
+    rec = e2e.run_point(FakeLLM(), pp, 1000, spec, lambda msg: None)
+    assert len(seen) == 3 and len({p for _, p in seen}) == 3  # warm-up + 2 iters, all fresh
+    seen.clear()
+    e2e.run_point(FakeLLM(), pp, 1000, dict(spec, cached_prompts=False), lambda msg: None)
+    assert len({p for _, p in seen}) == 1  # without the flag: the same prompts every run
