@@ -28,6 +28,8 @@ Architecture
     e4m3 activations from ``scaled_fp8_quant``, ``cutlass_scaled_mm`` on the same weights and
     scales), opt-in with $VLLM_SM121_DENSE_W8A8_MIN_M until it has run end to end
     (DENSE_W8A8_MIN_M); where vLLM has no such kernel the call is refused, not rerouted.
+    Prefill may instead upcast the weight to a bf16 temporary and use cuBLAS (``path="dequant"``,
+    opt-in with $VLLM_SM121_DENSE_DEQUANT_MIN_M, DENSE_DEQUANT_MIN_M; not yet timed).
 
     For the error study (``benchmarks/dense_error.py``) the module also holds the weight-only MX
     formats as torch conversions: ``mxfp8_weight_quantize`` (e4m3 + e8m0 per 32 along K, via
@@ -128,7 +130,18 @@ DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
 # M >= m (above the FMA path), read at each call like the FMA limit.
 DENSE_W8A8_MIN_M = 0
 DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
-PATHS = ("auto", "fma", "mma", "w8a8")
+# Prefill-sized M through cuBLAS ("dequant": the e4m3 weight upcast to a bf16 temporary, exact;
+# ``F.linear`` on it; the per-channel scale and the bias applied to the [M, N] output in fp32):
+# the GEMM is stock vLLM's bf16 one, plus one pass over the weight (1 byte read, 2 written) per
+# call, which a prefill of M >> 1 tokens amortizes. The MMA kernel's prefill is slower than
+# cuBLAS bf16 (gpt-oss-120b pp2048 with FP8 dense at 0.73x upstream on an H200, commit 188485b).
+# Weight-only numerics, as the MMA kernel's (bf16 activations), but the GEMM's output is rounded
+# to bf16 before the scale (one more bf16 rounding). Not yet timed (0: off);
+# $VLLM_SM121_DENSE_DEQUANT_MIN_M=m takes it for M >= m (above the FMA path; w8a8 first if both
+# are set), read at each call like the other limits.
+DENSE_DEQUANT_MIN_M = 0
+DENSE_DEQUANT_MIN_M_ENV = "VLLM_SM121_DENSE_DEQUANT_MIN_M"
+PATHS = ("auto", "fma", "mma", "w8a8", "dequant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,16 +202,20 @@ def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
 
 def select_path(m: int, n: int = 0) -> str:
     """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma",
-    "w8a8" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
+    "w8a8", "dequant" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
 
     $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the FMA limit for every N;
-    $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM.
+    $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM;
+    $VLLM_SM121_DENSE_DEQUANT_MIN_M (default 0: off) sends M >= that to cuBLAS on an upcast copy.
     """
     fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
     w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
-    return "w8a8" if 0 < w8a8_min <= m else "mma"
+    if 0 < w8a8_min <= m:
+        return "w8a8"
+    dequant_min = V.env_int(DENSE_DEQUANT_MIN_M_ENV, DENSE_DEQUANT_MIN_M)
+    return "dequant" if 0 < dequant_min <= m else "mma"
 
 
 def w8a8_unsupported_reason(x: torch.Tensor, n: int, k: int) -> str | None:
@@ -349,8 +366,9 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation).
 
     path: "auto" (``select_path``: the FMA GEMV for few tokens, else the MMA kernel, or vLLM's
-    W8A8 GEMM where $VLLM_SM121_DENSE_W8A8_MIN_M says), "fma" (M <= DENSE_FMA_KERNEL_MAX_M only),
-    "mma" or "w8a8" (the activations are quantized to e4m3 per token: W8A8 numerics).
+    W8A8 GEMM / cuBLAS on an upcast copy where $VLLM_SM121_DENSE_W8A8_MIN_M /
+    $VLLM_SM121_DENSE_DEQUANT_MIN_M say), "fma" (M <= DENSE_FMA_KERNEL_MAX_M only), "mma",
+    "w8a8" (the activations are quantized to e4m3 per token: W8A8 numerics) or "dequant".
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
@@ -370,6 +388,8 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"dense FP8 path 'w8a8' (${DENSE_W8A8_MIN_M_ENV} or path='w8a8') is not supported "
                              f"here: {reason}; unset ${DENSE_W8A8_MIN_M_ENV} to use the MMA kernel")
         return _dense_w8a8(x, w, scale, bias)
+    if path == "dequant":
+        return _dense_dequant(x, w, scale, bias, out)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
     if m <= DECODE_MAX_M:
         bm, bn, bk, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS,
@@ -411,6 +431,16 @@ def _dense_w8a8(x, w, scale, bias) -> torch.Tensor:
     xq, xs = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
     b = bias.to(torch.bfloat16) if bias is not None and bias.dtype != torch.bfloat16 else bias
     return ops.cutlass_scaled_mm(xq, w.view(torch.float8_e4m3fn).t(), xs, scale.view(-1, 1), torch.bfloat16, b)
+
+
+def _dense_dequant(x, w, scale, bias, out) -> torch.Tensor:
+    """cuBLAS bf16 GEMM on the e4m3 codes upcast to bf16 (exact), then scale (and bias) per
+    output channel in fp32 on the [M, N] result (``DENSE_DEQUANT_MIN_M``)."""
+    codes = w.view(torch.float8_e4m3fn).to(x.dtype)  # a temporary of N x K bf16, freed after the call
+    y = torch.nn.functional.linear(x, codes).float() * scale
+    if bias is not None:
+        y += bias.float()
+    return out.copy_(y)
 
 
 def w8a8_activation_quantize_torch(x: torch.Tensor) -> torch.Tensor:
