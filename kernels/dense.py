@@ -243,11 +243,12 @@ def _w8a8_device_reason(device_index: int) -> str | None:
 # ---- conversion ----------------------------------------------------------------------------
 
 def fp8_row_amax(w: torch.Tensor, *, chunk_rows: int = 8192) -> torch.Tensor:
-    """fp32 [N]: max |w| of each row of a [N, K] weight (what ``fp8_per_channel_quantize`` scales by)."""
+    """fp32 [N]: max |w| of each row of a [N, K] weight (what ``fp8_per_channel_quantize`` scales by);
+    +inf for a row holding a non-finite value (so a MAX all-reduce carries it to every rank)."""
     n, k = w.shape
     amax = torch.zeros(n, dtype=torch.float32, device=w.device)
     for r0 in range(0, n if k else 0, chunk_rows):
-        amax[r0:r0 + chunk_rows] = w[r0:r0 + chunk_rows].float().abs().amax(dim=1)
+        amax[r0:r0 + chunk_rows] = torch.nan_to_num(w[r0:r0 + chunk_rows].float().abs().amax(dim=1), nan=float("inf"))
     return amax
 
 
@@ -271,6 +272,10 @@ def fp8_per_channel_quantize(w: torch.Tensor, *, chunk_rows: int = 8192,
         V.check_dtype("row_amax", row_amax, (torch.float32,))
         if tuple(row_amax.shape) != (n,):
             raise ValueError(f"row_amax has shape {tuple(row_amax.shape)}; supported: [{n}] (one per row of w)")
+        if not bool(torch.isfinite(row_amax).all()):  # a shard elsewhere (another TP rank) is not finite
+            bad = torch.nonzero(~torch.isfinite(row_amax)).flatten()[:4].tolist()
+            raise ValueError(f"row_amax is not finite in rows {bad}...: the weight has non-finite values in those "
+                             "rows (in this shard or another rank's); supported: finite weights")
     codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(n, dtype=torch.float32, device=w.device)
     for r0 in range(0, n, chunk_rows):

@@ -134,6 +134,14 @@ def test_tensor_parallel_shards_convert_like_tp1():
         fp8_per_channel_quantize(halves[1], row_amax=fp8_row_amax(halves[0]))
     with pytest.raises(ValueError, match="row_amax has shape"):
         fp8_per_channel_quantize(halves[1], row_amax=whole[:3])
+    # a non-finite value in one shard reaches every rank through the MAX (+inf), so all ranks refuse
+    # together (none waits in the next collective for a rank that raised)
+    bad = halves[0].clone()
+    bad[7, 3] = float("nan")
+    whole_bad = torch.maximum(fp8_row_amax(bad), fp8_row_amax(halves[1]))
+    assert whole_bad[7] == float("inf") and torch.isfinite(whole_bad[torch.arange(48) != 7]).all()
+    with pytest.raises(ValueError, match=r"row_amax is not finite in rows \[7\]"):
+        fp8_per_channel_quantize(halves[1], row_amax=whole_bad)
 
 
 def test_row_parallel_conversion_all_reduces_the_row_max(monkeypatch):
