@@ -22,6 +22,8 @@ from vllm_sm121.kernels.paged_attention import MAX_SPLITS, SPLIT_MAX_QUERY_ROWS,
 # 2048 rows x 64 heads x 64 dims x 4 B = 32 MiB for gpt-oss; batch 32 decode needs 32 x 8 = 256.
 WORKSPACE_TOKEN_SPLITS = 2048
 MIXED_SPLIT_ENV = "VLLM_SM121_MIXED_SPLIT"
+
+
 def mixed_split_enabled() -> bool:
     """$VLLM_SM121_MIXED_SPLIT: "1" (default) or "0"; anything else is refused by name."""
     value = os.environ.get(MIXED_SPLIT_ENV, "1").strip()
