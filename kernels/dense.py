@@ -136,7 +136,10 @@ DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
 # call, which a prefill of M >> 1 tokens amortizes. The MMA kernel's prefill is slower than
 # cuBLAS bf16 (gpt-oss-120b pp2048 with FP8 dense at 0.73x upstream on an H200, commit 188485b).
 # Weight-only numerics, as the MMA kernel's (bf16 activations), but the GEMM's output is rounded
-# to bf16 before the scale (one more bf16 rounding). Not yet timed (0: off);
+# to bf16 before the scale (one more bf16 rounding). Off (0): timed on an H200 (commit 09758ed,
+# docs/dense-cmp-h200-09758ed.json) it is slower than vLLM's W8A8 GEMM at every M (lm_head
+# M=2048: 7160 us vs 1966, cuBLAS bf16 3653; qkv M=2048: 218 vs 54) and gpt-oss-120b pp2048 ran
+# at 0.94x the bf16 weights (docs/e2e-120b-fp8dense-dequant-h200-09758ed.json).
 # $VLLM_SM121_DENSE_DEQUANT_MIN_M=m takes it for M >= m (above the FMA path; w8a8 first if both
 # are set), read at each call like the other limits.
 DENSE_DEQUANT_MIN_M = 0

@@ -28,9 +28,13 @@ def test_bad_values_name_the_variable(text):
 
 def test_nvfp4_variants_use_their_base_kind_unless_named(monkeypatch):
     monkeypatch.delenv(P.ATTN_TILE_ENV, raising=False)
-    # no table entry of their own: the base kind's tile
-    assert P.attn_tile(P.SM90, "prefill_nvfp4", 64) == P.ATTN_TILES[(P.SM90, "prefill", 64)]
-    assert P.attn_tile(P.SM90, "prefill_sw_nvfp4", 64) == P.ATTN_TILES[(P.SM90, "prefill_sw", 64)]
+    # no table entry of their own (sm_12x, or sm_90 head buckets other than 64): the base kind's tile
+    assert P.attn_tile(P.SM12X, "prefill_nvfp4", 64) == P.ATTN_TILES[(P.SM12X, "prefill", 64)]
+    assert P.attn_tile(P.SM12X, "prefill_sw_nvfp4", 64) == P.ATTN_TILES[(P.SM12X, "prefill_sw", 64)]
+    assert P.attn_tile(P.SM90, "prefill_nvfp4", 128) == P.ATTN_TILES[(P.SM90, "prefill", 128)]
+    # own entries (sm_90, gpt-oss's head size 64)
+    assert P.attn_tile(P.SM90, "prefill_nvfp4", 64) == P.AttnTile(128, 64, 4, 2)
+    assert P.attn_tile(P.SM90, "prefill_sw_nvfp4", 64) == P.AttnTile(128, 64, 4, 2)
     assert P.attn_tile(P.SM90, "decode_nvfp4", 64) == P.ATTN_TILES[(P.SM90, "decode_nvfp4", 64)]  # own entry
     # naming a base kind moves its variants too (the TP tests' nvfp4 spread relies on it) ...
     monkeypatch.setenv(P.ATTN_TILE_ENV, "prefill=32,32,4,2;prefill_sw=32,16,4,2")

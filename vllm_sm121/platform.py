@@ -97,12 +97,12 @@ ATTN_TILES: dict[tuple[str, str, int], AttnTile] = {
     # inline-PTX decode): (16, 128, 4, 3) b32 ctx32k 631 us vs 1088 us at (16, 256, 8, 2), the
     # tile of the earlier bf16-operand decode; b8 168 vs 297; b1 ctx128k 92 vs 162.
     (SM90, "decode_nvfp4", 64): AttnTile(16, 128, 4, 3),
-    # nvfp4 pages, prefill: no entry yet (the base kinds' tiles). Candidate, timed but not yet
-    # checked for correctness on a GPU (benchmarks/tune_kv.py --prefill, H200, 2026-11-27, commit
-    # 8d4ba0d, the last 4096-token chunk of a 32k prompt): (128, 64, 4, 2) for "prefill_nvfp4" and
-    # "prefill_sw_nvfp4", window None 11819 us vs 13974 us at (64, 64, 4, 2), window 128 181.5 us
-    # vs 203.0 at (64, 32, 4, 2). Add it once tests/test_fp4_kv.py passes on a GPU with it
-    # ($VLLM_SM121_ATTN_TILE="prefill_nvfp4=128,64,4,2;prefill_sw_nvfp4=128,64,4,2" selects it).
+    # nvfp4 pages, prefill (benchmarks/tune_kv.py --prefill, H200, 2026-11-27, commit 8d4ba0d, the
+    # last 4096-token chunk of a 32k prompt): window None 11819 us vs 13974 us at (64, 64, 4, 2),
+    # window 128 181.5 us vs 203.0 at (64, 32, 4, 2); tests/test_fp4_kv.py passed on an H200 with
+    # it (commit 09758ed, 154 passed).
+    (SM90, "prefill_nvfp4", 64): AttnTile(128, 64, 4, 2),
+    (SM90, "prefill_sw_nvfp4", 64): AttnTile(128, 64, 4, 2),
     # sm_12x (not measured: no GB10 here): the sm_90 shapes cut to ~99 KB of shared memory per
     # block (K+V tile bytes x stages), tests/test_aot_compile.py checks the compiled sizes.
     (SM12X, "decode", 64): AttnTile(16, 128, 4, 2),
