@@ -192,9 +192,13 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-fp8dense-moe", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
            "SM121 + FP8 dense weights + the plugin's MoE (experimental opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
-    # Off by default until run on a GPU: issue 7's stage A (lm_head + greedy sampling in the graph).
+    # Off by default: issue 7's whole-model graph mode, stage A (lm_head + greedy sampling in the
+    # graph) + B (steady decode steps skip stock's input preparation); "-a": stage A alone.
     Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
-           "SM121, whole-model graph mode stage A (in-graph lm_head + greedy sampling)", **OFF),
+           "SM121, whole-model graph mode (in-graph lm_head + greedy sampling; steady steps on device inputs)", **OFF),
+    Config("sm121-graph-a", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
+           "SM121, whole-model graph mode stage A only (every step through stock's input preparation)", **OFF,
+           env=(("VLLM_SM121_GRAPH_FAST_PATH", "0"),)),
     Config("sm121-all", {**SM121, "kv_cache_dtype": "nvfp4",
                          "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode stage A (the MoE stays vLLM's)", **OFF),

@@ -13,7 +13,8 @@ seq_len 0, input id 0, position unchanged (vLLM's padding). Up to two KV groups 
 block sizes (gpt-oss: full and sliding-window layers). The block tables must already hold the
 page of the new position (the host appends pages as vLLM's scheduler allocates them).
 
-Building block only: nothing calls it yet (the runner's stage-B fast path is not built).
+Called by the stage-B fast path of ``vllm_sm121.graph.runner`` as its own launch before the
+graph replay (the graphs are shared with stock steps, which prepare their inputs themselves).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def _check(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows):
         raise ValueError(f"1 or 2 KV groups (block_table, slot_mapping, block_size) are supported, got {len(groups)}")
     if num_reqs.numel() != 1 or num_reqs.dtype != torch.int32:
         raise ValueError(f"num_reqs must be a one-element int32 device tensor, got {num_reqs.dtype} {tuple(num_reqs.shape)}")
-    for name, t, dtypes in (("tokens", tokens, (torch.int32, torch.int64)), ("input_ids", input_ids, (torch.int32,)),
+    if tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() != 1 or tokens.stride(0) != 1:
+        raise ValueError(f"tokens: expected a 1-D int32/int64 tensor of stride 1 (one per live row), got {tokens.dtype} "
+                         f"{tuple(tokens.shape)} stride {tokens.stride()}")
+    for name, t, dtypes in (("input_ids", input_ids, (torch.int32,)),
                             ("positions", positions, (torch.int64,)), ("seq_lens", seq_lens, (torch.int32,))):
         if t.dtype not in dtypes or t.dim() != 1 or t.shape[0] < rows:
             raise ValueError(f"{name}: expected 1-D {'/'.join(map(str, dtypes))} with >= {rows} rows, got "
@@ -51,7 +55,7 @@ def advance_decode_inputs(tokens: torch.Tensor, num_reqs: torch.Tensor, input_id
                           positions: torch.Tensor, seq_lens: torch.Tensor,
                           groups: list[tuple[torch.Tensor, torch.Tensor, int]], rows: int) -> None:
     """In place, for the first ``rows`` (P, the padded batch) entries; see the module docstring.
-    ``groups``: [(block_table int32 [R, pages], slot_mapping int64 [>= P], block_size)]."""
+    ``tokens`` needs an entry per live row only. ``groups``: [(block_table int32 [R, pages], slot_mapping int64 [>= P], block_size)]."""
     _check(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows)
     (bt0, s0, bs0), (bt1, s1, bs1) = groups[0], groups[-1]
     _advance_decode_inputs_kernel[(triton.cdiv(rows, BLOCK),)](

@@ -200,7 +200,7 @@ def test_decode_tail_runs_on_covered_batches_only():
     out = tail(ids)
     assert torch.equal(out, model.emb[ids])
     want = model.compute_logits(model.emb[ids]).float().argmax(-1)
-    assert torch.equal(tail.tokens[:4], want) and tail.ran == 1
+    assert tail.tokens.dtype == torch.int32 and torch.equal(tail.tokens[:4], want.int()) and tail.ran == 1
     assert tail.sampled(3).dtype == torch.int32 and torch.equal(tail.sampled(3)[:, 0], want[:3].int())
     assert tail.sampled(3).shape == (3, 1)
     before = tail.tokens.clone()
@@ -253,7 +253,7 @@ def _runner(monkeypatch, reason=None, ctx=None):
     r._sm121_tail = T.DecodeTail(model, max_rows=8, device="cpu")
     r._sm121_tail.tokens[:4] = torch.tensor([5, 6, 7, 8])
     r._sm121_fallbacks, r._sm121_taken, r._sm121_take = {}, 0, False
-    r.input_batch = types.SimpleNamespace(num_reqs=3, update_async_output_token_ids=lambda: None)
+    r.input_batch = types.SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], update_async_output_token_ids=lambda: None)
     monkeypatch.setattr(R.WholeModelRunner, "_sm121_reason", lambda self: reason)
     monkeypatch.setattr(R, "current_context", lambda: ctx or _ctx(tokens=4, reqs=4))
     seen = {}
@@ -368,7 +368,8 @@ def test_runner_verification_compares_with_stock_on_the_same_logits(monkeypatch)
     out = r._sample(logits, None)
     assert out.sampled_token_ids.tolist() == [[5], [6], [7]]  # the graph's tokens are what the step returns
     v = r.sm121_graph_stats()["verify"]
-    assert v == {"steps": 1, "rows": 3, "mismatched_rows": 1, "max_logit_gap": 2.5}, v
+    assert v == {"steps": 1, "rows": 3, "mismatched_rows": 1, "max_logit_gap": 2.5, "input_steps": 0,
+                 "input_mismatches": 0}, v
     r.sm121_graph_verify(False)
     r._model_forward()
     assert r._sm121_tail.claimed and r.sm121_graph_stats()["verify"]["steps"] == 0

@@ -1,11 +1,13 @@
-"""Whole-model graph mode, stage A, on a GPU (vllm_sm121/graph/): gpt-oss-tiny as a random
+"""Whole-model graph mode, stages A and B, on a GPU (vllm_sm121/graph/): gpt-oss-tiny as a random
 real-format checkpoint, SM121 attention, FULL_AND_PIECEWISE graphs (capture sizes <= 8).
 
 One engine with the mode on serves greedy batches of 1, 2, 4 and 8 prompts (capture sizes, so the
 in-graph lm_head runs at the same M as stock's) three ways: as shipped (stock's lm_head and
-sampler skipped), with verification on (``sm121_graph_verify``: every step that takes the graph's
-tokens also runs stock's lm_head and sampler on the same hidden states), and with logprobs=1
-(falls back to stock). Asserted:
+sampler skipped; steady steps skip stock's input preparation too, stage B), with verification on
+(``sm121_graph_verify``: every step that takes the graph's tokens also runs stock's lm_head and
+sampler on the same hidden states, and every stage-B step compares the inputs it wrote on the
+device with the ones stock computes from the host state), then 8 requests of different lengths
+(rows leave the batch one by one), and with logprobs=1 (falls back to stock). Asserted:
 
 1. verification covered every decode step of the verified batches and no row's graph token
    differs from stock's on the same logits (the exact check of the tail);
@@ -35,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LENS = (37, 140, 300, 17, 64, 129, 255, 2)
 SIZES = (1, 2, 4, 8)
 GEN = 24
+CHURN = (5, 8, 11, 14, 17, 20, 23, 24)  # max_tokens of 8 requests started together
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,10 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
             llm.collective_rpc("sm121_graph_verify", args=(True,))
             for n in SIZES:
                 out[f"verified{n}"] = _gen(llm, greedy, n)[0]
+            # churn: rows leave the batch one by one (stage B's steady chain breaks and restarts)
+            churn = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in CHURN]
+            res = llm.generate([{"prompt_token_ids": p} for p in _prompts(len(CHURN))], churn, use_tqdm=False)
+            out["churn"] = [list(r.outputs[0].token_ids) for r in res]
             ranks = llm.collective_rpc("sm121_graph_stats")  # one dict per worker (TP rank)
             out["verify"], out["verify_ranks"] = ranks[0]["verify"], [r["verify"] for r in ranks]
             llm.collective_rpc("sm121_graph_verify", args=(False,))
@@ -126,6 +133,13 @@ def _assert_verified(on):
     assert stats["taken"] >= 2 * len(SIZES) * (GEN - 2), stats  # shipped + verified batches
     assert stats["tail_runs"] > 0, stats  # captured into the graphs
     assert all(len(t) == GEN for n in SIZES for t in on[f"greedy{n}"])
+    # stage B: most decode steps of a steady batch skip stock's input preparation (the first decode
+    # step after a prefill and the steps around a finish run stock's); verification recomputed
+    # stock's inputs from the host state on every such step
+    steady = stats["steady"]
+    assert steady["off"] is None and steady["fast"] >= 2 * len(SIZES) * (GEN - 6), steady
+    assert v["input_steps"] >= len(SIZES) * (GEN - 6) and v["input_mismatches"] == 0, v
+    assert [len(t) for t in on["churn"]] == list(CHURN)
 
 
 def test_graph_tokens_equal_stock_tokens_on_the_same_logits(runs):
@@ -133,7 +147,7 @@ def test_graph_tokens_equal_stock_tokens_on_the_same_logits(runs):
     stats, v = on["stats"], on["verify"]
     seqs = {k: {n: runs[r][f"{k}{n}"] for n in SIZES} for r, k in (("on", "greedy"), ("on", "verified"))}
     stock = {r: {n: runs[r][f"logprobs{n}"] for n in SIZES} for r in runs}
-    print(f"\nwhole-model stage A stats: {stats}\nverification: {v}")
+    print(f"\nwhole-model stats (stage A + B): {stats}\nverification: {v}")
     print(f"graph tokens vs stock sampling, same engine: {_same(seqs['greedy'], stock['on'])}")
     print(f"verified vs shipped graph tokens, same engine: {_same(seqs['verified'], seqs['greedy'])}")
     print(f"mode on vs mode off (two engines, stock sampling on both sides): {_same(stock['on'], stock['off'])}")
@@ -159,7 +173,7 @@ def test_tp2_graph_tokens_equal_stock_tokens_on_the_same_logits(checkpoint):
     counters are asserted (each rank feeds its own tokens into its next step). Same checks as at
     TP=1, fallbacks included."""
     on = _serve(checkpoint, True, tp=2)
-    print(f"\nTP=2 whole-model stage A stats: {on['stats_ranks']}\nverification: {on['verify_ranks']}")
+    print(f"\nTP=2 whole-model stats (stage A + B): {on['stats_ranks']}\nverification: {on['verify_ranks']}")
     assert len(on["stats_ranks"]) == 2 == len(on["verify_ranks"])
     for stats, verify in zip(on["stats_ranks"], on["verify_ranks"]):  # every rank samples for itself
         _assert_verified({**on, "stats": stats, "verify": verify})

@@ -20,14 +20,18 @@ well), and still returns the graph's tokens.
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 from vllm import envs
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SamplerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from . import steady
 from .tail import MAX_ROWS, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason, unsupported_reason
 
 logger = init_logger("vllm.sm121.graph")
@@ -40,6 +44,25 @@ class StepGraphWrapper(CUDAGraphWrapper):
         return self.runnable.model
 
 
+# Pinned host slots for the steady steps' tokens: a slot is rewritten RING steps later, and vLLM's
+# engine keeps at most 2 steps in flight (async scheduling's batch queue) before reading one.
+RING = 8
+
+
+class _TokensOutput(AsyncModelRunnerOutput):
+    """A steady step's output: the tokens reach ``host`` (pinned) by a copy queued on the default
+    stream right after the replay, ``event`` recorded after it (stock's AsyncGPUModelRunnerOutput
+    does the same on a side stream, with an allocation and a new event per step)."""
+
+    def __init__(self, output: ModelRunnerOutput, host: torch.Tensor, event: torch.cuda.Event):
+        self._output, self._host, self._event = output, host, event
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._event.synchronize()
+        self._output.sampled_token_ids = self._host.tolist()
+        return self._output
+
+
 class WholeModelRunner(GPUModelRunner):
     _sm121_tail: DecodeTail | None = None
     _sm121_fallbacks: dict
@@ -47,6 +70,11 @@ class WholeModelRunner(GPUModelRunner):
     _sm121_take: bool = False
     _sm121_verify: bool = False
     _sm121_checked: dict | None = None
+    # stage B (vllm_sm121.graph.steady)
+    _sm121_chain: tuple | None = None  # (row request ids, batch descriptor) of a graphed decode step
+    _sm121_static: str | None = None  # why the fast path is off for this engine ("" until checked)
+    _sm121_pending: tuple | None = None  # a steady step between execute_model and sample_tokens
+    _sm121_h2d_in_flight: bool = True  # a host-to-device copy may still read pinned input buffers
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -61,6 +89,8 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_tail = DecodeTail(self.model.unwrap(), rows, self.device)
         self._sm121_fallbacks = {}
         self._sm121_taken = 0
+        self._sm121_steady = {"fast": 0, "staged": 0, "stock": {}}
+        self._sm121_static = "" if os.environ.get(steady.FAST_PATH_ENV, "1") != "0" else f"${steady.FAST_PATH_ENV}=0"
         self.model = StepGraphWrapper(self._sm121_tail, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
         logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
                     "graphs of <= %d requests; other batches run stock vLLM's path", rows)
@@ -107,6 +137,8 @@ class WholeModelRunner(GPUModelRunner):
                     if not self._sm121_verify:  # verification keeps stock's lm_head for the comparison
                         tail.claim()
                     self._sm121_take = True
+                    # a graphed uniform decode of these rows: the next step may continue it (stage B)
+                    self._sm121_chain = (tuple(self.input_batch.req_ids), current_context().batch_descriptor)
                 else:
                     if why not in self._sm121_fallbacks:
                         logger.info("sm121 whole-model graph: a batch falls back to stock sampling (%s); "
@@ -126,6 +158,163 @@ class WholeModelRunner(GPUModelRunner):
             return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
         return super()._sample(logits, spec_decode_metadata)
 
+    # ------------------------------------------------------------------------------------------
+    # stage B: steady decode steps (vllm_sm121.graph.steady)
+    # ------------------------------------------------------------------------------------------
+
+    def _dummy_run(self, *args, **kwargs):
+        self._sm121_chain = None  # it rewrites seq_lens, query_start_loc and the slot mappings
+        return super()._dummy_run(*args, **kwargs)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        plan = self._sm121_plan(scheduler_output, intermediate_tensors)
+        if plan is None:
+            self._sm121_chain = None  # set again by _model_forward if this step is a graphed decode
+            self._sm121_h2d_in_flight = True  # stock uploads inputs from pinned buffers
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        return self._sm121_steady_step(scheduler_output, *plan)
+
+    def _sm121_plan(self, so, intermediate_tensors):
+        """(graph entry, new KV blocks) when ``so`` is a steady step the fast path takes, else None."""
+        chain = self._sm121_chain
+        if chain is None or self._sm121_tail is None or intermediate_tensors is not None:
+            return None
+        if self._sm121_static == "":
+            from vllm.distributed.ec_transfer import has_ec_transfer
+            from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+            self._sm121_static = steady.static_reason(self, kv_transfer=has_kv_transfer_group(),
+                                                      ec_transfer=has_ec_transfer())
+            if self._sm121_static:
+                logger.info("sm121 whole-model graph: steady decode steps run stock vLLM's loop (%s)",
+                            self._sm121_static)
+        if self._sm121_static:
+            return None
+        why, new_blocks = steady.continuation_reason(so, self.input_batch, self.requests, chain[0])
+        if why is None:
+            why = self._sm121_reason()
+        entry = self.model.concrete_cudagraph_entries.get(chain[1])
+        if why is None and (entry is None or entry.cudagraph is None):
+            why = "no captured graph for this batch"
+        if why is not None:
+            stock = self._sm121_steady["stock"]
+            stock[why] = stock.get(why, 0) + 1
+            return None
+        return entry, new_blocks
+
+    def _sm121_steady_step(self, so, entry, new_blocks: bool):
+        tail, batch, bd = self._sm121_tail, self.input_batch, self._sm121_chain[1]
+        n, rows = batch.num_reqs, bd.num_tokens
+        sync = self._sm121_h2d_in_flight or new_blocks
+        if sync:  # stock's fence: a queued upload may still read the pinned buffers written below
+            self.prepare_inputs_event.synchronize()
+        corrections = self._update_states(so)  # stock's bookkeeping; a steady step moves no row
+        if tuple(batch.req_ids) != self._sm121_chain[0]:
+            raise RuntimeError("sm121 whole-model graph: a steady step changed the persistent batch's rows "
+                               "(the continuation check missed a case)")
+        if new_blocks:  # staging: the rows' new pages (stock's own upload, every row, every group)
+            batch.block_table.commit_block_table(n)
+        if sync:
+            self.prepare_inputs_event.record()
+        self._sm121_h2d_in_flight = new_blocks
+        prev = batch.prev_sampled_token_ids
+        self._sm121_advance(prev[:, 0], n, rows)
+        if self._sm121_verify:
+            self._sm121_check_inputs(n, prev)
+        from vllm.model_executor.offloader.base import get_offloader
+
+        get_offloader().sync_prev_onload()  # as CUDAGraphWrapper does before a replay
+        entry.cudagraph.replay()
+        k = self._sm121_ring_next
+        self._sm121_ring_next = (k + 1) % RING
+        host, event = self._sm121_host[k, :n], self._sm121_events[k]
+        host.copy_(tail.tokens[:n, None], non_blocking=True)
+        event.record()
+        if self._sm121_verify:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Stock
+
+            logits = self.model.compute_logits(entry.output[:n])
+            self._sm121_check(tail.tokens[:n, None], logits, Stock._sample(self, logits, None).sampled_token_ids)
+        self._sm121_pending = (n, host, event)
+        self._sm121_steady["fast"] += 1
+        self._sm121_steady["staged"] += int(new_blocks)
+        self._sm121_taken += 1
+        if corrections:
+            corrections()
+        return None
+
+    def _sm121_advance(self, tokens, n: int, rows: int) -> None:
+        """The steady inputs of ``rows`` (P) rows, ``n`` live, in one launch (kernels/decode_inputs.py)."""
+        from vllm_sm121.kernels.decode_inputs import advance_decode_inputs
+
+        if self.__dict__.get("_sm121_counts") is None:
+            self._sm121_buffers()
+        groups = [(bt.block_table.gpu, bt.slot_mapping.gpu, bt.block_size)
+                  for bt in self.input_batch.block_table.block_tables]
+        advance_decode_inputs(tokens, self._sm121_counts[n:n + 1], self.input_ids.gpu, self.positions,
+                              self.seq_lens, groups, rows)
+
+    def _sm121_buffers(self) -> None:
+        """Allocated at the first steady step: row counts on the device (the input kernel reads
+        its live row count from memory), the pinned token slots and their events."""
+        self._sm121_counts = torch.arange(MAX_ROWS + 1, dtype=torch.int32, device=self.device)
+        self._sm121_host = torch.zeros((RING, MAX_ROWS, 1), dtype=torch.int32, pin_memory=True)
+        self._sm121_events = [torch.cuda.Event(blocking=True) for _ in range(RING)]
+        self._sm121_ring_next = 0
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output):
+        pending = self._sm121_pending
+        if pending is None:
+            return super().sample_tokens(grammar_output)
+        self._sm121_pending = None
+        if grammar_output is not None:
+            raise RuntimeError("sm121 whole-model graph: a steady step received a grammar bitmask (the "
+                               "continuation check excludes structured output)")
+        n, host, event = pending
+        batch = self.input_batch
+        batch.update_async_output_token_ids()  # stock's _sample side effect (a no-op for these batches)
+        # the state stock's sample_tokens / _bookkeeping_sync (async branch) leaves behind
+        self._draft_token_ids = self._draft_probs = self._draft_prob_req_ids = self._draft_token_req_ids = None
+        self.valid_sampled_token_count_gpu = None
+        batch.prev_sampled_token_ids = self._sm121_tail.tokens[:n, None]  # int32 [n, 1], stock's dtype
+        req_ids = batch.req_ids
+        batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
+        cursor = batch.num_tokens_no_spec
+        for i in range(n):  # the -1 placeholder of each row's token in flight
+            start = int(cursor[i])
+            if start >= self.max_model_len:
+                raise RuntimeError(f"Sampled token IDs exceed the max model length ({start + 1} > {self.max_model_len})")
+            batch.token_ids_cpu[i, start] = -1
+            batch.is_token_ids[i, start] = True
+            cursor[i] = start + 1
+            self.requests[req_ids[i]].output_token_ids.append(-1)
+        output = ModelRunnerOutput(req_ids=req_ids.copy(), req_id_to_index=batch.req_id_to_index.copy(),
+                                   sampled_token_ids=[], logprobs=None, prompt_logprobs_dict={},
+                                   num_nans_in_logits={})
+        batch.set_async_sampled_token_ids(host, event)
+        return _TokensOutput(output, host, event)
+
+    def _sm121_check_inputs(self, n: int, prev: torch.Tensor) -> None:
+        """Verification: the device inputs the fast path wrote vs what stock's _prepare_inputs
+        computes from the host state (positions, sequence lengths, input ids, every group's slot
+        mapping and the block-table pages they use); counts mismatching entries."""
+        batch = self.input_batch
+        pos = torch.from_numpy(np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int64))
+        bad = int((self.positions[:n].cpu() != pos).sum()) + int((self.seq_lens[:n].cpu() != pos + 1).sum())
+        bad += int((self.input_ids.gpu[:n].cpu() != prev[:n, 0].cpu()).sum())
+        rows = torch.arange(n)
+        for bt in batch.block_table.block_tables:
+            bs, table = bt.block_size, bt.block_table.cpu[:n]
+            want = table[rows, pos // bs].to(torch.int64) * bs + pos % bs
+            bad += int((bt.slot_mapping.gpu[:n].cpu() != want).sum())
+            cols = int(pos.max()) // bs + 1
+            bad += int((bt.block_table.gpu[:n, :cols].cpu() != table[:, :cols]).sum())
+        c = self._sm121_checked
+        c["input_steps"] = c.get("input_steps", 0) + 1
+        c["input_mismatches"] = c.get("input_mismatches", 0) + bad
+
     def _sm121_check(self, graph, logits, stock) -> None:
         """Verification: count rows where the graph's token differs from stock's on these logits."""
         c = self._sm121_checked
@@ -142,12 +331,15 @@ class WholeModelRunner(GPUModelRunner):
     def sm121_graph_verify(self, on: bool = True) -> None:
         """Turn verification on or off (module docstring); resets its counters."""
         self._sm121_verify = bool(on)
-        self._sm121_checked = {"steps": 0, "rows": 0, "mismatched_rows": 0, "max_logit_gap": 0.0}
+        self._sm121_checked = {"steps": 0, "rows": 0, "mismatched_rows": 0, "max_logit_gap": 0.0,
+                               "input_steps": 0, "input_mismatches": 0}
 
     def sm121_graph_stats(self) -> dict:
         """Decode steps that took the graph's tokens, fallbacks per reason, Python-side tail runs
         (captures), the rows a tail covers."""
         tail = self._sm121_tail
+        steady_stats = getattr(self, "_sm121_steady", None) or {"fast": 0, "staged": 0, "stock": {}}
         return {"taken": self._sm121_taken, "fallbacks": dict(getattr(self, "_sm121_fallbacks", {})),
+                "steady": {**steady_stats, "stock": dict(steady_stats["stock"]), "off": self._sm121_static or None},
                 "tail_runs": tail.ran if tail else 0, "max_rows": tail.max_rows if tail else 0,
                 "verify": dict(self._sm121_checked) if self._sm121_checked is not None else None}

@@ -8,7 +8,7 @@ configuration checks are CPU-testable.
 forward context says the call is a FULL uniform-decode batch of 1 token per request (the batches
 vLLM replays a FULL graph for) of at most ``max_rows`` rows, it runs, after the model,
 
-    logits = model.compute_logits(hidden[:P]);  tokens[:P] = argmax(fp32(logits))
+    logits = model.compute_logits(hidden[:P]);  tokens[:P] = int32(argmax(fp32(logits)))
 
 so capture puts the lm_head, the fp32 cast and the argmax into that graph and every replay
 leaves the greedy token of each row in the persistent ``tokens`` buffer. The runner
@@ -107,7 +107,7 @@ class DecodeTail:
 
     def __init__(self, model: Any, max_rows: int, device: torch.device | str, get_context=None):
         self.__dict__.update(model=model, max_rows=max_rows, claimed=False, ran=0,
-                             tokens=torch.zeros(max_rows, dtype=torch.int64, device=device),
+                             tokens=torch.zeros(max_rows, dtype=torch.int32, device=device),
                              _stub=torch.empty((max_rows, 0), dtype=torch.float32, device=device),
                              _get_context=get_context)
 
@@ -142,10 +142,10 @@ class DecodeTail:
         return self.model.compute_logits(hidden_states, *args, **kwargs)
 
     def sampled(self, n: int) -> torch.Tensor:
-        """[n, 1] int32 greedy tokens of the last replay, a fresh tensor (stock's dtype/shape:
-        the buffer itself is overwritten by the next replay while this step's copy to the host
-        may still be queued on another stream)."""
-        return self.tokens[:n].to(torch.int32).unsqueeze(-1)
+        """[n, 1] int32 greedy tokens of the last replay (stock's dtype and shape), a fresh tensor:
+        the buffer itself is overwritten by the next replay while stock's copy of this step's
+        tokens to the host may still be queued on its side stream."""
+        return self.tokens[:n, None].clone()
 
 
 def _logits_on_every_rank() -> bool:
