@@ -70,6 +70,7 @@ for step in "$@"; do
     e2etiny) python3 benchmarks/e2e.py --model models/gpt-oss-tiny --configs "${E2E_CONFIGS:-upstream-default,upstream-triton,sm121,sm121-graph-a,sm121-graph}" --points "${E2E_POINTS:-tg128,tg128-b8}" ${E2E_ARGS:-} --out "$OUT/e2e_tiny${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_tiny${E2E_TAG:-}.log" | tail -n 40 ;;
     profilewm) fail=0; for a in "default|--backend default" "sm121|--backend SM121" "wm_a|--whole-model" "wm|--whole-model"; do
                tag=${a%%|*}; args=${a#*|}; [ "$tag" = wm_a ] && fp=0 || fp=1
+               case " ${PROFILE_SET:-default sm121 wm_a wm} " in *" $tag "*) ;; *) continue ;; esac
                VLLM_SM121_GRAPH_FAST_PATH=$fp python3 benchmarks/profile_step.py $args --scopes --out "$OUT/profile_$tag.json" > "/tmp/profile_$tag.log" 2>&1; r=$?
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
