@@ -109,6 +109,7 @@ for step in "$@"; do
          for f in "$OUT"/par_*.log; do echo "--- $f"; grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" "$f" | tail -n 40; done
          (cd "$OUT" && tar czf /tmp/par.tgz --exclude 'par_*.log' . && find . -mindepth 1 ! -name 'par_*.log' -delete \
            && mv /tmp/par.tgz par.tgz); (exit $r) ;;
+    loadwm) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load_wm.json" -- --additional-config '{"sm121": {"cudagraph": "whole_model"}}' 2>&1 | tee "$OUT/serve_load_wm.log" | tail -n 30 ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
