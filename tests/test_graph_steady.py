@@ -57,6 +57,12 @@ def test_a_steady_step_continues_and_new_blocks_are_staged():
     assert S.continuation_reason(_so(new_block_ids={"r1": ([7], [9])}), _batch(), _requests(), IDS) == (None, True)
 
 
+def test_common_prefix_blocks_do_not_stop_the_fast_path():
+    # prefix caching (vLLM's default) reports a lone request's blocks as common prefix blocks;
+    # SM121, the only backend admitted, never uses cascade attention, so stock replays the same graph
+    assert S.continuation_reason(_so(num_common_prefix_blocks=[3, 2]), _batch(), _requests(), IDS) == (None, False)
+
+
 def _mutate(case):
     so, batch, reqs, chain = _so(), _batch(), _requests(), IDS
     if case == "no chain":
@@ -78,8 +84,6 @@ def _mutate(case):
         so.new_block_ids_to_zero = [4]
     elif case == "structured":
         so.has_structured_output_requests = True
-    elif case == "cascade":
-        so.num_common_prefix_blocks = [2, 0]
     elif case == "resumed":
         so.scheduled_cached_reqs.resumed_req_ids = {"r0"}
     elif case == "discarded":  # the previous step's token of r1 was dropped (a prefill chunk)
@@ -96,7 +100,7 @@ def _mutate(case):
 @pytest.mark.parametrize("case, why", [
     ("no chain", "not a graphed decode"), ("other rows", "rows changed"), ("new request", "arrived"),
     ("finished", "finished"), ("row not scheduled", "one token for every row"), ("two tokens", "one token"),
-    ("spec", "speculative"), ("zero blocks", "zero or copy"), ("structured", "structured"), ("cascade", "cascade"),
+    ("spec", "speculative"), ("zero blocks", "zero or copy"), ("structured", "structured"),
     ("resumed", "resumed"), ("discarded", "discarded"), ("jump", "one token further"),
     ("prefill chunk", "one token further"), ("trimmed", "trimmed"),
 ])

@@ -7,7 +7,10 @@ sampler skipped; steady steps skip stock's input preparation too, stage B), with
 (``sm121_graph_verify``: every step that takes the graph's tokens also runs stock's lm_head and
 sampler on the same hidden states, and every stage-B step compares the inputs it wrote on the
 device with the ones stock computes from the host state), then 8 requests of different lengths
-(rows leave the batch one by one), and with logprobs=1 (falls back to stock). Asserted:
+(rows leave the batch one by one), and with logprobs=1 (falls back to stock). Prefix caching is on
+(vLLM's default; the batches repeat their prompts, so later ones start from cached blocks, and a
+running request's blocks count as common prefix blocks, which stage B must not mistake for cascade
+attention). Asserted:
 
 1. verification covered every decode step of the verified batches and no row's graph token
    differs from stock's on the same logits (the exact check of the tail);
@@ -64,7 +67,7 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
     from vllm import LLM, SamplingParams
 
     kw = dict(model=checkpoint, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=512,
-              gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0, attention_backend="SM121",
+              gpu_memory_utilization=0.3, enable_prefix_caching=True, seed=0, attention_backend="SM121",
               tensor_parallel_size=tp,
               compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 8})
     if whole_model:

@@ -81,8 +81,10 @@ def continuation_reason(so: Any, batch: Any, requests: dict, chain_req_ids: tupl
         return "KV blocks to zero or copy, or connector metadata", False
     if so.has_structured_output_requests or so.pending_structured_output_tokens:
         return "structured output", False
-    if any(so.num_common_prefix_blocks):
-        return "cascade attention", False
+    # so.num_common_prefix_blocks is not checked: with prefix caching (vLLM's default) it is
+    # non-zero for any lone request, but it only matters to backends that choose cascade
+    # attention, and static_reason admits SM121 alone, whose builder never does (vLLM's base
+    # use_cascade_attention), so stock's step replays the same FULL graph for it.
     cached = so.scheduled_cached_reqs
     if cached.resumed_req_ids or cached.all_token_ids or cached.new_token_ids or len(cached.req_ids) != n:
         return "requests resumed or rescheduled", False
