@@ -195,11 +195,14 @@ def _fast_runner(monkeypatch, bs=(16, 32)):
                         [t.slot_mapping.gpu[:rows].clone() for t in tables]))
         tail.tokens[:rows] = torch.tensor([41, 42, 43, 0], dtype=torch.int32)
 
-    entry = types.SimpleNamespace(cudagraph=types.SimpleNamespace(replay=replay), output=None)
-    r.model = types.SimpleNamespace(concrete_cudagraph_entries={bd: entry})
+    entry = types.SimpleNamespace(cudagraph=types.SimpleNamespace(replay=replay), output=torch.randn(rows, 5))
+    r.model = types.SimpleNamespace(concrete_cudagraph_entries={bd: entry}, compute_logits=lambda h: h * 2)
+    r.discard_request_mask = types.SimpleNamespace(np=np.ones(8, dtype=bool))  # stale, as stock leaves it
+    r.execute_model_state = r.kv_connector_output = None
     r._sm121_tail, r._sm121_chain, r._sm121_static = tail, (IDS, bd), None
-    r._sm121_steady, r._sm121_taken, r._sm121_fallbacks = {"fast": 0, "staged": 0, "stock": {}}, 0, {}
-    monkeypatch.setattr(R.WholeModelRunner, "_sm121_reason", lambda self: None)
+    r._sm121_steady = {"fast": 0, "staged": 0, "fast_sampled": 0, "stock": {}}
+    r._sm121_taken, r._sm121_fallbacks, r._sm121_take = 0, {}, False
+    monkeypatch.setattr(R.WholeModelRunner, "_sm121_reason", lambda self: r.__dict__.get("reason"))
 
     def buffers(self):
         self._sm121_counts = torch.arange(9, dtype=torch.int32)
@@ -278,3 +281,21 @@ def test_other_steps_run_stock_and_break_the_chain(monkeypatch):
     monkeypatch.setattr(__import__("vllm_sm121.graph.runner", fromlist=["R"]).GPUModelRunner, "_dummy_run",
                         lambda self, *a, **k: "dummy")
     assert r._dummy_run(4) == "dummy" and r._sm121_chain is None
+
+
+@pytest.mark.interpreter
+def test_sampled_batches_run_on_device_inputs_then_stock_sampling_when_opted_in(monkeypatch):
+    r, replays, _ = _fast_runner(monkeypatch)
+    r.reason = "a request samples (temperature > 0)"
+    assert r.execute_model(_so()) == "stock execute" and replays == []  # off by default: stock's step
+    assert r._sm121_steady["stock"] == {"a request samples (temperature > 0)": 1} and r._sm121_chain is None
+    r._sm121_chain = (IDS, next(iter(r.model.concrete_cudagraph_entries)))
+    r._sm121_fast_sampled = True
+    assert r.execute_model(_so()) is None and len(replays) == 1 and r._sm121_steady["fast_sampled"] == 1
+    assert replays[0][0].tolist() == [11, 12, 13, 0]  # the inputs advanced as for a greedy steady step
+    st = r.execute_model_state  # what stock's execute_model leaves for its sample_tokens
+    hidden = r.model.concrete_cudagraph_entries[r._sm121_chain[1]].output
+    assert st.scheduler_output is not None and torch.equal(st.logits, hidden[:3] * 2)
+    assert st.hidden_states is hidden and st.spec_decode_metadata is None and st.slot_mappings is None
+    assert not r.discard_request_mask.np[:3].any() and r._sm121_pending is None
+    assert r.sample_tokens(None) == "stock sample" and r._sm121_taken == 0

@@ -64,6 +64,7 @@ def _gen(llm, params, n):
 def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    os.environ["VLLM_SM121_GRAPH_FAST_SAMPLED"] = "1"  # sampled / logprob batches on stage B's inputs too
     from vllm import LLM, SamplingParams
 
     kw = dict(model=checkpoint, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=512,
@@ -88,10 +89,7 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
             churn = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in CHURN]
             res = llm.generate([{"prompt_token_ids": p} for p in _prompts(len(CHURN))], churn, use_tqdm=False)
             out["churn"] = [list(r.outputs[0].token_ids) for r in res]
-            ranks = llm.collective_rpc("sm121_graph_stats")  # one dict per worker (TP rank)
-            out["verify"], out["verify_ranks"] = ranks[0]["verify"], [r["verify"] for r in ranks]
-            llm.collective_rpc("sm121_graph_verify", args=(False,))
-        for n in SIZES:
+        for n in SIZES:  # verification stays on: stage B's inputs of sampled batches are checked too
             out[f"logprobs{n}"], res = _gen(llm, lp, n)
             out[f"logprob_values{n}"] = [[d[t].logprob for d, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)]
                                          for r in res]
@@ -100,8 +98,10 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
         res = llm.generate([{"prompt_token_ids": p} for p in _prompts(4)], mixed, use_tqdm=False)
         out["mixed"] = [list(r.outputs[0].token_ids) for r in res]
         if whole_model:
-            out["stats_ranks"] = llm.collective_rpc("sm121_graph_stats")
+            out["stats_ranks"] = llm.collective_rpc("sm121_graph_stats")  # one dict per worker (TP rank)
             out["stats"] = out["stats_ranks"][0]
+            out["verify"], out["verify_ranks"] = out["stats"]["verify"], [r["verify"] for r in out["stats_ranks"]]
+            llm.collective_rpc("sm121_graph_verify", args=(False,))
     finally:
         del llm
         gc.collect()
@@ -141,7 +141,9 @@ def _assert_verified(on):
     # stock's inputs from the host state on every such step
     steady = stats["steady"]
     assert steady["off"] is None and steady["fast"] >= 2 * len(SIZES) * (GEN - 6), steady
-    assert v["input_steps"] >= len(SIZES) * (GEN - 6) and v["input_mismatches"] == 0, v
+    # the logprob and sampled batches: steady steps on device inputs, stock's sampler
+    assert steady["fast_sampled"] >= len(SIZES) * (GEN - 6), steady
+    assert v["input_steps"] >= 2 * len(SIZES) * (GEN - 6) and v["input_mismatches"] == 0, v
     assert [len(t) for t in on["churn"]] == list(CHURN)
 
 

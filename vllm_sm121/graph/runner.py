@@ -75,6 +75,7 @@ class WholeModelRunner(GPUModelRunner):
     _sm121_static: str | None = None  # why the fast path is off for this engine ("" until checked)
     _sm121_pending: tuple | None = None  # a steady step between execute_model and sample_tokens
     _sm121_h2d_in_flight: bool = True  # a host-to-device copy may still read pinned input buffers
+    _sm121_fast_sampled: bool = False  # steady steps of batches stage A does not take ($VLLM_SM121_GRAPH_FAST_SAMPLED)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -89,8 +90,9 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_tail = DecodeTail(self.model.unwrap(), rows, self.device)
         self._sm121_fallbacks = {}
         self._sm121_taken = 0
-        self._sm121_steady = {"fast": 0, "staged": 0, "stock": {}}
+        self._sm121_steady = {"fast": 0, "staged": 0, "fast_sampled": 0, "stock": {}}
         self._sm121_static = "" if os.environ.get(steady.FAST_PATH_ENV, "1") != "0" else f"${steady.FAST_PATH_ENV}=0"
+        self._sm121_fast_sampled = os.environ.get(steady.FAST_SAMPLED_ENV, "0") == "1"
         self.model = StepGraphWrapper(self._sm121_tail, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
         logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
                     "graphs of <= %d requests; other batches run stock vLLM's path", rows)
@@ -133,18 +135,22 @@ class WholeModelRunner(GPUModelRunner):
             self._sm121_take = False
             if covers(current_context(), tail.max_rows):
                 why = self._sm121_reason()
+                # a graphed uniform decode of these rows: the next step may continue it (stage B)
+                self._sm121_chain = (tuple(self.input_batch.req_ids), current_context().batch_descriptor)
                 if why is None:
                     if not self._sm121_verify:  # verification keeps stock's lm_head for the comparison
                         tail.claim()
                     self._sm121_take = True
-                    # a graphed uniform decode of these rows: the next step may continue it (stage B)
-                    self._sm121_chain = (tuple(self.input_batch.req_ids), current_context().batch_descriptor)
                 else:
-                    if why not in self._sm121_fallbacks:
-                        logger.info("sm121 whole-model graph: a batch falls back to stock sampling (%s); "
-                                    "further fallbacks for this reason are not logged", why)
-                    self._sm121_fallbacks[why] = self._sm121_fallbacks.get(why, 0) + 1
+                    self._sm121_note_fallback(why)
         return super()._model_forward(*args, **kwargs)
+
+    def _sm121_note_fallback(self, why: str) -> None:
+        """A step whose tokens stock's sampler draws: counted per reason, the first one logged."""
+        if why not in self._sm121_fallbacks:
+            logger.info("sm121 whole-model graph: a batch falls back to stock sampling (%s); "
+                        "further fallbacks for this reason are not logged", why)
+        self._sm121_fallbacks[why] = self._sm121_fallbacks.get(why, 0) + 1
 
     def _sample(self, logits, spec_decode_metadata) -> SamplerOutput:
         if spec_decode_metadata is None and self._sm121_take:
@@ -176,7 +182,8 @@ class WholeModelRunner(GPUModelRunner):
         return self._sm121_steady_step(scheduler_output, *plan)
 
     def _sm121_plan(self, so, intermediate_tensors):
-        """(graph entry, new KV blocks) when ``so`` is a steady step the fast path takes, else None."""
+        """(graph entry, new KV blocks, stock sampling) when ``so`` is a steady step the fast path
+        takes, else None."""
         chain = self._sm121_chain
         if chain is None or self._sm121_tail is None or intermediate_tensors is not None:
             return None
@@ -192,8 +199,12 @@ class WholeModelRunner(GPUModelRunner):
         if self._sm121_static:
             return None
         why, new_blocks = steady.continuation_reason(so, self.input_batch, self.requests, chain[0])
+        sampled = False
         if why is None:
             why = self._sm121_reason()
+            if why is not None and self._sm121_fast_sampled:
+                self._sm121_note_fallback(why)
+                why, sampled = None, True
         entry = self.model.concrete_cudagraph_entries.get(chain[1])
         if why is None and (entry is None or entry.cudagraph is None):
             why = "no captured graph for this batch"
@@ -201,9 +212,9 @@ class WholeModelRunner(GPUModelRunner):
             stock = self._sm121_steady["stock"]
             stock[why] = stock.get(why, 0) + 1
             return None
-        return entry, new_blocks
+        return entry, new_blocks, sampled
 
-    def _sm121_steady_step(self, so, entry, new_blocks: bool):
+    def _sm121_steady_step(self, so, entry, new_blocks: bool, sampled: bool = False):
         tail, batch, bd = self._sm121_tail, self.input_batch, self._sm121_chain[1]
         n, rows = batch.num_reqs, bd.num_tokens
         sync = self._sm121_h2d_in_flight or new_blocks
@@ -226,6 +237,9 @@ class WholeModelRunner(GPUModelRunner):
 
         get_offloader().sync_prev_onload()  # as CUDAGraphWrapper does before a replay
         entry.cudagraph.replay()
+        self._sm121_take = False
+        if sampled:  # stock's lm_head, sampler and output on the graph's hidden states
+            return self._sm121_stock_sampling(so, entry.output, n, new_blocks, corrections)
         k = self._sm121_ring_next
         self._sm121_ring_next = (k + 1) % RING
         host, event = self._sm121_host[k, :n], self._sm121_events[k]
@@ -240,6 +254,24 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_steady["fast"] += 1
         self._sm121_steady["staged"] += int(new_blocks)
         self._sm121_taken += 1
+        if corrections:
+            corrections()
+        return None
+
+    def _sm121_stock_sampling(self, so, hidden, n: int, new_blocks: bool, corrections):
+        """A steady step of a batch stage A does not take: leave what stock's execute_model leaves
+        for its sample_tokens (logits of the n rows, which a uniform decode's logits_indices select),
+        so stock samples, bookkeeps and builds the output as usual."""
+        from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+
+        sample_hidden = hidden[:n]
+        logits = self.model.compute_logits(sample_hidden)
+        self.discard_request_mask.np[:n] = False  # stock refreshes it in _prepare_inputs (trap 5)
+        self.execute_model_state = ExecuteModelState(so, logits, None, None, hidden, sample_hidden, None, None,
+                                                     None, None)
+        self.kv_connector_output = None
+        self._sm121_steady["fast_sampled"] += 1
+        self._sm121_steady["staged"] += int(new_blocks)
         if corrections:
             corrections()
         return None
@@ -338,7 +370,7 @@ class WholeModelRunner(GPUModelRunner):
         """Decode steps that took the graph's tokens, fallbacks per reason, Python-side tail runs
         (captures), the rows a tail covers."""
         tail = self._sm121_tail
-        steady_stats = getattr(self, "_sm121_steady", None) or {"fast": 0, "staged": 0, "stock": {}}
+        steady_stats = getattr(self, "_sm121_steady", None) or {"fast": 0, "staged": 0, "fast_sampled": 0, "stock": {}}
         return {"taken": self._sm121_taken, "fallbacks": dict(getattr(self, "_sm121_fallbacks", {})),
                 "steady": {**steady_stats, "stock": dict(steady_stats["stock"]), "off": self._sm121_static or None},
                 "tail_runs": tail.ran if tail else 0, "max_rows": tail.max_rows if tail else 0,

@@ -13,6 +13,11 @@ context, the eager lm_head and sampler, the output object's extra stream and all
 the input launch, the graph replay, one copy of the tokens to the host (plus, on a step where a
 request got a new KV block, one copy of the block tables per KV group).
 
+Batches whose tokens stage A does not take (temperature, logprobs, penalties, ...) run stock's
+step unless ``$VLLM_SM121_GRAPH_FAST_SAMPLED=1``: then their steady steps also run on device inputs
+and the graph replay, followed by stock's eager lm_head, sampler, bookkeeping and output (opt-in
+until it has run on a GPU; CPU-tested).
+
 Import-light (no vLLM at import): the predicates take plain objects, so they are CPU-testable.
 """
 
@@ -21,6 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 FAST_PATH_ENV = "VLLM_SM121_GRAPH_FAST_PATH"  # "0": stage A only (every step through stock's loop)
+# "1": steady steps of batches stage A does not take (sampling, logprobs, penalties, ...) also run
+# on device inputs, then stock's eager lm_head and sampler; opt-in until it has run on a GPU
+FAST_SAMPLED_ENV = "VLLM_SM121_GRAPH_FAST_SAMPLED"
 MAX_KV_GROUPS = 2  # the input kernel's limit (gpt-oss: full and sliding-window layers)
 STEADY_BACKENDS = ("SM121",)  # attention metadata built on persistent buffers, no device work
 
