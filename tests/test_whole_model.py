@@ -348,6 +348,11 @@ def test_runner_refuses_to_capture_once_vllm_lowered_the_graph_mode(monkeypatch)
     r = object.__new__(R.WholeModelRunner)
     r.vllm_config = _vllm_config()
     assert r.capture_model() == 7
+    r._sm121_tail = T.DecodeTail(_Model(), max_rows=8, device="cpu")  # with the tail: the startup line too
+    records = []
+    monkeypatch.setattr(R.logger, "info", lambda msg, *a: records.append(msg % a))
+    assert r.capture_model() == 7
+    assert "capture" in records[-1] and "0.00 GiB" in records[-1] and "<= 8 requests" in records[-1], records
     r.vllm_config = _vllm_config(mode="PIECEWISE")
     with pytest.raises(ValueError, match="after vLLM resolved the CUDA graph mode"):
         r.capture_model()
