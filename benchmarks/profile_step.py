@@ -86,7 +86,12 @@ SCOPES = tuple(_scope(label, target) for label, target in (
     ("  runner.sample_tokens", f"{_RUNNER}.sample_tokens"),
     ("    _sample", f"{_RUNNER}._sample"),
     ("    _bookkeeping_sync", f"{_RUNNER}._bookkeeping_sync"),
+    # the whole-model mode's runner (a subclass): steady steps never enter the stock rows above,
+    # other steps nest them
+    ("  whole-model runner.execute_model", "vllm_sm121.graph.runner:WholeModelRunner.execute_model"),
+    ("  whole-model runner.sample_tokens", "vllm_sm121.graph.runner:WholeModelRunner.sample_tokens"),
     ("  output.get_output (waits for the GPU)", "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.get_output"),
+    ("  steady output.get_output (waits for the GPU)", "vllm_sm121.graph.runner:_TokensOutput.get_output"),
     ("  scheduler.update_from_output", f"{_SCHED}.update_from_output"),
     ("front end: output_processor.process_outputs", "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"),
 ))
