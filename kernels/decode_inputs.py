@@ -53,18 +53,33 @@ def _check(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows):
 
 def advance_decode_inputs(tokens: torch.Tensor, num_reqs: torch.Tensor, input_ids: torch.Tensor,
                           positions: torch.Tensor, seq_lens: torch.Tensor,
-                          groups: list[tuple[torch.Tensor, torch.Tensor, int]], rows: int) -> None:
+                          groups: list[tuple[torch.Tensor, torch.Tensor, int]], rows: int,
+                          patches: torch.Tensor | None = None, num_patches: int = 0) -> None:
     """In place, for the first ``rows`` (P, the padded batch) entries; see the module docstring.
-    ``tokens`` needs an entry per live row only. ``groups``: [(block_table int32 [R, pages], slot_mapping int64 [>= P], block_size)]."""
+    ``tokens`` needs an entry per live row only. ``groups``: [(block_table int32 [R, pages], slot_mapping int64 [>= P], block_size)].
+    ``patches``: int32 [>= num_patches, 4] rows (group, row, column, page) written into the block
+    tables before the slots are read (new pages without a copy of the tables; a pinned host tensor
+    is read by the kernel in place, so the caller keeps it unchanged until the launch has run)."""
     _check(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows)
+    grid = triton.cdiv(rows, BLOCK)
+    if num_patches:
+        if patches is None or patches.dtype != torch.int32 or patches.dim() != 2 or patches.shape[1] != 4 \
+                or patches.shape[0] < num_patches or not patches.is_contiguous():
+            raise ValueError(f"patches: expected a contiguous int32 [>= {num_patches}, 4] tensor")
+        if grid != 1:
+            raise ValueError(f"block-table patches need one program (rows <= {BLOCK}), got rows={rows}")
     (bt0, s0, bs0), (bt1, s1, bs1) = groups[0], groups[-1]
-    _advance_decode_inputs_kernel[(triton.cdiv(rows, BLOCK),)](
+    _advance_decode_inputs_kernel[(grid,)](
         tokens, num_reqs, input_ids, positions, seq_lens, bt0, s0, bt0.stride(0), bt1, s1, bt1.stride(0),
+        patches if num_patches else num_reqs, num_patches,
         P=rows, BS0=bs0, BS1=bs1, NUM_GROUPS=len(groups), BLOCK=BLOCK)
 
 
-def advance_decode_inputs_torch(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows: int) -> None:
+def advance_decode_inputs_torch(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows: int,
+                                patches=None, num_patches: int = 0) -> None:
     """Reference (same contract), plain torch on any device."""
+    for g, row, col, page in (patches[:num_patches].tolist() if num_patches else []):
+        groups[g][0][row, col] = page
     n = int(num_reqs.item())
     positions[:n] += 1
     seq_lens[:n] += 1

@@ -53,6 +53,27 @@ def test_matches_reference_over_steps(device, block_sizes, n, token_dtype):
     assert (ref_groups[0][1][n:] == PAD_SLOT_ID).all() and (ref_st["seq_lens"][n:] == 0).all()
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("device", DEVICES)
+def test_patches_write_new_pages_before_the_slots_are_read(device):
+    rows, n = 8, 5
+    st, groups = _state(device, rows, n, (16, 32), torch.int32)
+    ref_st, ref_groups = _state("cpu", rows, n, (16, 32), torch.int32)
+    # row 0 moves 15 -> 16 (a new 16-token page, column 1); row 2 31 -> 32 (new page in both groups)
+    patches = torch.tensor([[0, 0, 1, 901], [0, 2, 2, 902], [1, 2, 1, 903], [1, 7, 0, 904]], dtype=torch.int32)
+    advance_decode_inputs(st["tokens"], st["num_reqs"], st["input_ids"], st["positions"], st["seq_lens"], groups,
+                          rows, patches=patches.to(device), num_patches=3)
+    advance_decode_inputs_torch(ref_st["tokens"], ref_st["num_reqs"], ref_st["input_ids"], ref_st["positions"],
+                                ref_st["seq_lens"], ref_groups, rows, patches=patches, num_patches=3)
+    for (b, s, _), (rb, rs, _) in zip(groups, ref_groups):
+        assert torch.equal(b.cpu(), rb) and torch.equal(s.cpu(), rs)
+    assert int(ref_groups[0][1][0]) == 901 * 16 and int(ref_groups[0][1][2]) == 902 * 16
+    assert int(ref_groups[1][1][2]) == 903 * 32 and int(ref_groups[1][0][7, 0]) != 904  # only num_patches rows
+    with pytest.raises(ValueError, match="patches"):
+        advance_decode_inputs(st["tokens"], st["num_reqs"], st["input_ids"], st["positions"], st["seq_lens"], groups,
+                              rows, patches=patches.long(), num_patches=3)
+
+
 def test_bad_inputs_are_named():
     st, groups = _state("cpu", 8, 8, (16,), torch.int64)
     with pytest.raises(ValueError, match="positions"):

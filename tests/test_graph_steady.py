@@ -153,6 +153,7 @@ class _Event:
 class _Buffer:
     def __init__(self, t):
         self.cpu, self.gpu = t.clone(), t.clone()
+        self.np = self.cpu.numpy()
 
 
 def _fast_runner(monkeypatch, bs=(16, 32)):
@@ -169,7 +170,8 @@ def _fast_runner(monkeypatch, bs=(16, 32)):
     for g, b in enumerate(bs):
         bt = types.SimpleNamespace(block_size=b, block_table=_Buffer(torch.arange(rows * width, dtype=torch.int32)
                                                                       .reshape(rows, width) * 3 + 100 * g),
-                                   slot_mapping=_Buffer(torch.full((rows,), -7, dtype=torch.int64)))
+                                   slot_mapping=_Buffer(torch.full((rows,), -7, dtype=torch.int64)),
+                                   num_blocks_per_row=np.array([c // b + 1 for c in COMPUTED] + [0], dtype=np.int32))
         tables.append(bt)
     committed = []
     batch = types.SimpleNamespace(
@@ -209,13 +211,21 @@ def _fast_runner(monkeypatch, bs=(16, 32)):
         self._sm121_host = torch.zeros((R.RING, 8, 1), dtype=torch.int32)
         self._sm121_events = [_Event() for _ in range(R.RING)]
         self._sm121_ring_next = 0
+        self._sm121_patch_host = torch.zeros((R.RING, R.PATCHES, 4), dtype=torch.int32)
+        self._sm121_patch_np = self._sm121_patch_host.numpy()
+        self._sm121_patch_next = 0
 
     monkeypatch.setattr(R.WholeModelRunner, "_sm121_buffers", buffers)
 
     def update_states(self, so):  # what stock's _update_states does on a steady step
-        for i, rid in enumerate(so.scheduled_cached_reqs.req_ids):
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
             row = batch.req_id_to_index[rid]
-            batch.num_computed_tokens_cpu[row] = so.scheduled_cached_reqs.num_computed_tokens[i]
+            batch.num_computed_tokens_cpu[row] = cached.num_computed_tokens[i]
+            for bt, ids in zip(tables, cached.new_block_ids[i] or ()):  # BlockTable.append_row
+                start = bt.num_blocks_per_row[row]
+                bt.block_table.np[row, start:start + len(ids)] = ids
+                bt.num_blocks_per_row[row] += len(ids)
         return None
 
     monkeypatch.setattr(R.WholeModelRunner, "_update_states", update_states)
@@ -229,7 +239,7 @@ def test_fast_step_advances_inputs_replays_and_leaves_stock_state(monkeypatch):
     r, replays, committed = _fast_runner(monkeypatch)
     r._sm121_h2d_in_flight = True  # the previous step was stock's: its uploads are fenced first
     assert r.execute_model(_so()) is None and r._sm121_steady["fast"] == 1 and committed == []
-    assert r.prepare_inputs_event.syncs == 1 and r.prepare_inputs_event.records == 1
+    assert r.prepare_inputs_event.syncs == 1 and r.prepare_inputs_event.records == 0 and not r._sm121_h2d_in_flight
     ids, pos, seq, slots = replays[0]
     want = torch.tensor(COMPUTED) + 1
     assert ids.tolist() == [11, 12, 13, 0] and pos[:3].tolist() == want.tolist()
@@ -267,7 +277,24 @@ def test_new_blocks_are_uploaded_under_stocks_fence(monkeypatch):
     r._sm121_h2d_in_flight = False
     assert r.execute_model(_so(new_block_ids={"r0": ([5], [6])})) is None
     assert committed == [3] and r._sm121_steady["staged"] == 1
-    assert r.prepare_inputs_event.syncs == 1 and r.prepare_inputs_event.records == 1 and r._sm121_h2d_in_flight
+    # no upload was in flight: no fence; the upload is recorded for the next step to wait on
+    assert r.prepare_inputs_event.syncs == 0 and r.prepare_inputs_event.records == 1 and r._sm121_h2d_in_flight
+
+
+@pytest.mark.interpreter
+def test_new_pages_ride_the_input_kernel_when_opted_in(monkeypatch):
+    r, replays, committed = _fast_runner(monkeypatch)
+    r._sm121_h2d_in_flight, r._sm121_patch_pages = False, True
+    tables = r.input_batch.block_table.block_tables
+    # r1 goes 31 -> 32: a new 16-token page (column 2) in group 0; r0 gets a page it does not use yet in group 1
+    assert r.execute_model(_so(new_block_ids={"r1": ([777], []), "r0": ([], [888])})) is None
+    assert committed == [] and r._sm121_steady["staged"] == 1 and not r._sm121_h2d_in_flight
+    assert r.prepare_inputs_event.syncs == 0 and r.prepare_inputs_event.records == 0
+    assert r._sm121_patch_host[0, :2].tolist() == [[0, 1, 2, 777], [1, 0, 1, 888]]
+    assert int(tables[0].block_table.gpu[1, 2]) == 777 and int(tables[1].block_table.gpu[0, 1]) == 888
+    assert torch.equal(tables[0].block_table.gpu, tables[0].block_table.cpu)  # the device table = the host's
+    assert torch.equal(tables[1].block_table.gpu, tables[1].block_table.cpu)
+    assert int(replays[0][3][0][1]) == 777 * 16  # row 1's slot at position 32 is on the new page
 
 
 def test_other_steps_run_stock_and_break_the_chain(monkeypatch):

@@ -65,6 +65,8 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     os.environ["VLLM_SM121_GRAPH_FAST_SAMPLED"] = "1"  # sampled / logprob batches on stage B's inputs too
+    # new pages through the input kernel at TP=1; stock's block-table upload at TP=2 (both paths run)
+    os.environ["VLLM_SM121_GRAPH_PATCH_PAGES"] = "1" if tp == 1 else "0"
     from vllm import LLM, SamplingParams
 
     kw = dict(model=checkpoint, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=512,

@@ -11,7 +11,7 @@ def _slots(bt_ptr, stride_bt, rows, pos, live, BS: tl.constexpr):
     return tl.where(live, page.to(tl.int64) * BS + pos % BS, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_patches"])
 def _advance_decode_inputs_kernel(
     tokens_ptr,  # [>= P] int64 or int32: the token each row sampled last step (its next input)
     num_reqs_ptr,  # [1] int32: rows in use (read on the device: a graph replays this launch as is)
@@ -20,12 +20,25 @@ def _advance_decode_inputs_kernel(
     seq_lens_ptr,  # [>= P] int32: advanced by one in place (0 on padded rows, as vLLM pads)
     bt0_ptr, slot0_ptr, stride_bt0,  # KV group 0: block table [rows, pages] int32, slot mapping [>= P] int64
     bt1_ptr, slot1_ptr, stride_bt1,  # KV group 1 (NUM_GROUPS == 2; e.g. gpt-oss's sliding-window layers)
+    patches_ptr,  # [num_patches, 4] int32 (group, row, column, page): block-table entries to write first
+    num_patches,  # 0: none (then one program may not be enough to order them: the launcher checks)
     P: tl.constexpr,  # padded rows (the graph's batch size)
     BS0: tl.constexpr,
     BS1: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # new pages first (a single program: the barrier orders these stores before the loads below)
+    for i in range(num_patches):
+        g = tl.load(patches_ptr + 4 * i)
+        row = tl.load(patches_ptr + 4 * i + 1).to(tl.int64)
+        col = tl.load(patches_ptr + 4 * i + 2)
+        page = tl.load(patches_ptr + 4 * i + 3)
+        if g == 0:
+            tl.store(bt0_ptr + row * stride_bt0 + col, page)
+        else:
+            tl.store(bt1_ptr + row * stride_bt1 + col, page)
+    tl.debug_barrier()
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_p = rows < P
     live = rows < tl.load(num_reqs_ptr)

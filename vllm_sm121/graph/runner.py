@@ -47,6 +47,9 @@ class StepGraphWrapper(CUDAGraphWrapper):
 # Pinned host slots for the steady steps' tokens: a slot is rewritten RING steps later, and vLLM's
 # engine keeps at most 2 steps in flight (async scheduling's batch queue) before reading one.
 RING = 8
+# Block-table entries one steady step may write through the input kernel ($VLLM_SM121_GRAPH_PATCH_PAGES=1):
+# a new page per row and group (more only with hybrid block sizes; beyond this, stock's upload).
+PATCHES = 2 * MAX_ROWS * steady.MAX_KV_GROUPS
 
 
 class _TokensOutput(AsyncModelRunnerOutput):
@@ -76,6 +79,7 @@ class WholeModelRunner(GPUModelRunner):
     _sm121_pending: tuple | None = None  # a steady step between execute_model and sample_tokens
     _sm121_h2d_in_flight: bool = True  # a host-to-device copy may still read pinned input buffers
     _sm121_fast_sampled: bool = False  # steady steps of batches stage A does not take ($VLLM_SM121_GRAPH_FAST_SAMPLED)
+    _sm121_patch_pages: bool = False  # new pages through the input kernel ($VLLM_SM121_GRAPH_PATCH_PAGES)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -93,6 +97,7 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_steady = {"fast": 0, "staged": 0, "fast_sampled": 0, "stock": {}}
         self._sm121_static = "" if os.environ.get(steady.FAST_PATH_ENV, "1") != "0" else f"${steady.FAST_PATH_ENV}=0"
         self._sm121_fast_sampled = os.environ.get(steady.FAST_SAMPLED_ENV, "0") == "1"
+        self._sm121_patch_pages = os.environ.get(steady.PATCH_PAGES_ENV, "0") == "1"
         self.model = StepGraphWrapper(self._sm121_tail, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
         logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
                     "graphs of <= %d requests; other batches run stock vLLM's path", rows)
@@ -227,20 +232,24 @@ class WholeModelRunner(GPUModelRunner):
     def _sm121_steady_step(self, so, entry, new_blocks: bool, sampled: bool = False):
         tail, batch, bd = self._sm121_tail, self.input_batch, self._sm121_chain[1]
         n, rows = batch.num_reqs, bd.num_tokens
-        sync = self._sm121_h2d_in_flight or new_blocks
-        if sync:  # stock's fence: a queued upload may still read the pinned buffers written below
+        if self.__dict__.get("_sm121_counts") is None:
+            self._sm121_buffers()
+        tables = batch.block_table.block_tables
+        before = [bt.num_blocks_per_row[:n].copy() for bt in tables] if new_blocks and self._sm121_patch_pages else None
+        if self._sm121_h2d_in_flight:  # stock's fence: a queued upload may still read the pinned buffers written below
             self.prepare_inputs_event.synchronize()
         corrections = self._update_states(so)  # stock's bookkeeping; a steady step moves no row
         if tuple(batch.req_ids) != self._sm121_chain[0]:
             raise RuntimeError("sm121 whole-model graph: a steady step changed the persistent batch's rows "
                                "(the continuation check missed a case)")
-        if new_blocks:  # staging: the rows' new pages (stock's own upload, every row, every group)
+        patches = self._sm121_patches(tables, before, n) if before is not None else None
+        uploaded = new_blocks and patches is None
+        if uploaded:  # staging: the rows' new pages (stock's own upload, every row, every group)
             batch.block_table.commit_block_table(n)
-        if sync:
             self.prepare_inputs_event.record()
-        self._sm121_h2d_in_flight = new_blocks
+        self._sm121_h2d_in_flight = uploaded
         prev = batch.prev_sampled_token_ids
-        self._sm121_advance(prev[:, 0], n, rows)
+        self._sm121_advance(prev[:, 0], n, rows, patches)
         if self._sm121_verify:
             self._sm121_check_inputs(n, prev)
         from vllm.model_executor.offloader.base import get_offloader
@@ -286,16 +295,34 @@ class WholeModelRunner(GPUModelRunner):
             corrections()
         return None
 
-    def _sm121_advance(self, tokens, n: int, rows: int) -> None:
+    def _sm121_patches(self, tables, before, n: int):
+        """The block-table entries ``_update_states`` appended this step, as (group, row, column,
+        page) rows in the next pinned patch slot, which the input kernel reads in place (no copy of
+        the tables); None when they do not fit (then stock's upload)."""
+        k = self._sm121_patch_next
+        buf = self._sm121_patch_np[k]
+        m = 0
+        for g, bt in enumerate(tables):
+            after = bt.num_blocks_per_row[:n]
+            for row in np.nonzero(after != before[g])[0]:
+                cols = range(int(before[g][row]), int(after[row]))
+                if m + len(cols) > len(buf):
+                    return None
+                for col in cols:
+                    buf[m] = (g, row, col, bt.block_table.np[row, col])
+                    m += 1
+        self._sm121_patch_next = (k + 1) % RING
+        return self._sm121_patch_host[k], m
+
+    def _sm121_advance(self, tokens, n: int, rows: int, patches=None) -> None:
         """The steady inputs of ``rows`` (P) rows, ``n`` live, in one launch (kernels/decode_inputs.py)."""
         from vllm_sm121.kernels.decode_inputs import advance_decode_inputs
 
-        if self.__dict__.get("_sm121_counts") is None:
-            self._sm121_buffers()
         groups = [(bt.block_table.gpu, bt.slot_mapping.gpu, bt.block_size)
                   for bt in self.input_batch.block_table.block_tables]
+        buf, m = patches if patches is not None else (None, 0)
         advance_decode_inputs(tokens, self._sm121_counts[n:n + 1], self.input_ids.gpu, self.positions,
-                              self.seq_lens, groups, rows)
+                              self.seq_lens, groups, rows, patches=buf, num_patches=m)
 
     def _sm121_buffers(self) -> None:
         """Allocated at the first steady step: row counts on the device (the input kernel reads
@@ -304,6 +331,9 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_host = torch.zeros((RING, MAX_ROWS, 1), dtype=torch.int32, pin_memory=True)
         self._sm121_events = [torch.cuda.Event(blocking=True) for _ in range(RING)]
         self._sm121_ring_next = 0
+        self._sm121_patch_host = torch.zeros((RING, PATCHES, 4), dtype=torch.int32, pin_memory=True)
+        self._sm121_patch_np = self._sm121_patch_host.numpy()
+        self._sm121_patch_next = 0
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output):

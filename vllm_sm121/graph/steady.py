@@ -29,6 +29,10 @@ FAST_PATH_ENV = "VLLM_SM121_GRAPH_FAST_PATH"  # "0": stage A only (every step th
 # "1": steady steps of batches stage A does not take (sampling, logprobs, penalties, ...) also run
 # on device inputs, then stock's eager lm_head and sampler; opt-in until it has run on a GPU
 FAST_SAMPLED_ENV = "VLLM_SM121_GRAPH_FAST_SAMPLED"
+# "1": a steady step whose requests got new KV pages hands them to the input kernel as (group, row,
+# column, page) entries it reads from pinned host memory, instead of stock's copy of the block
+# tables (one or two copies every 16th step at batch 1); opt-in until it has run on a GPU
+PATCH_PAGES_ENV = "VLLM_SM121_GRAPH_PATCH_PAGES"
 MAX_KV_GROUPS = 2  # the input kernel's limit (gpt-oss: full and sliding-window layers)
 STEADY_BACKENDS = ("SM121",)  # attention metadata built on persistent buffers, no device work
 
