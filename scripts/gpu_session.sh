@@ -68,10 +68,10 @@ for step in "$@"; do
     densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-16,128,8;8,128,4;8,128,8;16,64,4;32,128,8;4,128,4;16,256,8;8,256,8}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
     moechunk) python3 benchmarks/moe.py --m 1,4,5,8,16,32,64 --providers sm121_fma,sm121_decode,sm121_grouped,triton --out "$OUT/moe_chunk.json" 2>&1 | tee "$OUT/moechunk.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
     e2etiny) python3 benchmarks/e2e.py --model models/gpt-oss-tiny --configs "${E2E_CONFIGS:-upstream-default,upstream-triton,sm121,sm121-graph-a,sm121-graph}" --points "${E2E_POINTS:-tg128,tg128-b8}" ${E2E_ARGS:-} --out "$OUT/e2e_tiny${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_tiny${E2E_TAG:-}.log" | tail -n 40 ;;
-    profilewm) fail=0; for a in "default|--backend default" "sm121|--backend SM121" "wm_a|--whole-model" "wm|--whole-model"; do
-               tag=${a%%|*}; args=${a#*|}; [ "$tag" = wm_a ] && fp=0 || fp=1
-               case " ${PROFILE_SET:-default sm121 wm_a wm} " in *" $tag "*) ;; *) continue ;; esac
-               VLLM_SM121_GRAPH_FAST_PATH=$fp python3 benchmarks/profile_step.py $args --scopes --out "$OUT/profile_$tag.json" > "/tmp/profile_$tag.log" 2>&1; r=$?
+    profilewm) fail=0; for a in "default|--backend default" "sm121|--backend SM121" "wm_a|--whole-model" "wm|--whole-model" "wm_p|--whole-model"; do
+               tag=${a%%|*}; args=${a#*|}; [ "$tag" = wm_a ] && fp=0 || fp=1; [ "$tag" = wm_p ] && pp=1 || pp=0
+               case " ${PROFILE_SET:-default sm121 wm_a wm wm_p} " in *" $tag "*) ;; *) continue ;; esac
+               VLLM_SM121_GRAPH_PATCH_PAGES=$pp VLLM_SM121_GRAPH_FAST_PATH=$fp python3 benchmarks/profile_step.py $args --scopes --out "$OUT/profile_$tag.json" > "/tmp/profile_$tag.log" 2>&1; r=$?
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
