@@ -286,7 +286,7 @@ def graph_specs(family: str) -> list[Spec]:
     """The whole-model graph mode's device-side input advance (two KV groups, 32 padded rows)."""
     del family
     return [Spec(name="advance_decode_inputs[2 groups, P32]", fn=_advance_decode_inputs_kernel,
-                 constexprs=dict(P=32, BS0=16, BS1=16, NUM_GROUPS=2, BLOCK=128),
+                 constexprs=dict(P=32, BS0=16, BS1=16, NUM_GROUPS=2, BLOCK=128, MAX_PATCHES=128),
                  ptr_types=dict(tokens_ptr="*i64", num_reqs_ptr="*i32", input_ids_ptr="*i32", positions_ptr="*i64",
                                 seq_lens_ptr="*i32", bt0_ptr="*i32", slot0_ptr="*i64", bt1_ptr="*i32",
                                 slot1_ptr="*i64", patches_ptr="*i32"),

@@ -26,6 +26,7 @@ from .decode_inputs_details._decode_inputs import _advance_decode_inputs_kernel
 
 PAD_SLOT_ID = -1
 BLOCK = 128
+MAX_PATCHES = 128  # block-table entries one launch writes (the runner's PATCHES)
 
 
 def _check(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows):
@@ -68,11 +69,13 @@ def advance_decode_inputs(tokens: torch.Tensor, num_reqs: torch.Tensor, input_id
             raise ValueError(f"patches: expected a contiguous int32 [>= {num_patches}, 4] tensor")
         if grid != 1:
             raise ValueError(f"block-table patches need one program (rows <= {BLOCK}), got rows={rows}")
+        if num_patches > MAX_PATCHES:
+            raise ValueError(f"at most {MAX_PATCHES} block-table patches per launch, got {num_patches}")
     (bt0, s0, bs0), (bt1, s1, bs1) = groups[0], groups[-1]
     _advance_decode_inputs_kernel[(grid,)](
         tokens, num_reqs, input_ids, positions, seq_lens, bt0, s0, bt0.stride(0), bt1, s1, bt1.stride(0),
         patches if num_patches else num_reqs, num_patches,
-        P=rows, BS0=bs0, BS1=bs1, NUM_GROUPS=len(groups), BLOCK=BLOCK)
+        P=rows, BS0=bs0, BS1=bs1, NUM_GROUPS=len(groups), BLOCK=BLOCK, MAX_PATCHES=MAX_PATCHES)
 
 
 def advance_decode_inputs_torch(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows: int,

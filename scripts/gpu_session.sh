@@ -88,7 +88,8 @@ for step in "$@"; do
            && sed -n '/^device/,$p' "/tmp/profile_wm$a.log" | head -n 30 || tail -n 30 "/tmp/profile_wm$a.log"; done; (exit $r) ;;
     mixedsplit) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "mixed_batch" -p no:cacheprovider > "$OUT/mixedsplit.log" 2>&1; r=$?
          grep -E "gap|one launch|Error|passed|failed|^E " "$OUT/mixedsplit.log" | head -n 20; (exit $r) ;;
-    wmtest) wm_test ;;
+    wmtest) python3 -m pytest -q -m "gpu or interpreter" tests/test_decode_inputs.py -p no:cacheprovider 2>&1 | tail -n 3 | tee "$OUT/decode_inputs.log"
+            wm_test ;;
     wmtp) wm_test tp2 ;;  # the TP=2 case alone (2 GPUs)
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;

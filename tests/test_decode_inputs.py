@@ -74,6 +74,22 @@ def test_patches_write_new_pages_before_the_slots_are_read(device):
                               rows, patches=patches.long(), num_patches=3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_patches_are_read_in_place_from_pinned_host_memory():
+    """The runner's case: the patch list stays in pinned host memory and the kernel reads it there."""
+    rows, n = 8, 5
+    st, groups = _state("cuda", rows, n, (16, 32), torch.int32)
+    ref_st, ref_groups = _state("cpu", rows, n, (16, 32), torch.int32)
+    patches = torch.tensor([[0, 0, 1, 901], [0, 2, 2, 902], [1, 2, 1, 903]], dtype=torch.int32).pin_memory()
+    advance_decode_inputs(st["tokens"], st["num_reqs"], st["input_ids"], st["positions"], st["seq_lens"], groups,
+                          rows, patches=patches, num_patches=3)
+    advance_decode_inputs_torch(ref_st["tokens"], ref_st["num_reqs"], ref_st["input_ids"], ref_st["positions"],
+                                ref_st["seq_lens"], ref_groups, rows, patches=patches, num_patches=3)
+    for (b, s, _), (rb, rs, _) in zip(groups, ref_groups):
+        assert torch.equal(b.cpu(), rb) and torch.equal(s.cpu(), rs)
+
+
 def test_bad_inputs_are_named():
     st, groups = _state("cpu", 8, 8, (16,), torch.int64)
     with pytest.raises(ValueError, match="positions"):

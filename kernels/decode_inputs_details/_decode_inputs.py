@@ -27,17 +27,20 @@ def _advance_decode_inputs_kernel(
     BS1: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
+    MAX_PATCHES: tl.constexpr,  # num_patches <= MAX_PATCHES (the launcher checks)
 ):
-    # new pages first (a single program: the barrier orders these stores before the loads below)
-    for i in range(num_patches):
-        g = tl.load(patches_ptr + 4 * i)
-        row = tl.load(patches_ptr + 4 * i + 1).to(tl.int64)
-        col = tl.load(patches_ptr + 4 * i + 2)
-        page = tl.load(patches_ptr + 4 * i + 3)
-        if g == 0:
-            tl.store(bt0_ptr + row * stride_bt0 + col, page)
-        else:
-            tl.store(bt1_ptr + row * stride_bt1 + col, page)
+    # new pages first, all entries in one vector load and one scatter store (a pinned host list is
+    # read over the bus: one round trip, not one per entry); a single program, so the barrier
+    # orders these stores before the table loads below
+    p = tl.arange(0, MAX_PATCHES)
+    pm = p < num_patches
+    pg = tl.load(patches_ptr + 4 * p, mask=pm, other=0)
+    prow = tl.load(patches_ptr + 4 * p + 1, mask=pm, other=0).to(tl.int64)
+    pcol = tl.load(patches_ptr + 4 * p + 2, mask=pm, other=0)
+    page = tl.load(patches_ptr + 4 * p + 3, mask=pm, other=0)
+    tl.store(bt0_ptr + prow * stride_bt0 + pcol, page, mask=pm & (pg == 0))
+    if NUM_GROUPS > 1:
+        tl.store(bt1_ptr + prow * stride_bt1 + pcol, page, mask=pm & (pg != 0))
     tl.debug_barrier()
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_p = rows < P

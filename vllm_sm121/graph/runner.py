@@ -49,7 +49,7 @@ class StepGraphWrapper(CUDAGraphWrapper):
 RING = 8
 # Block-table entries one steady step may write through the input kernel ($VLLM_SM121_GRAPH_PATCH_PAGES=1):
 # a new page per row and group (more only with hybrid block sizes; beyond this, stock's upload).
-PATCHES = 2 * MAX_ROWS * steady.MAX_KV_GROUPS
+PATCHES = 2 * MAX_ROWS * steady.MAX_KV_GROUPS  # = kernels/decode_inputs.py MAX_PATCHES
 
 
 class _TokensOutput(AsyncModelRunnerOutput):
@@ -218,11 +218,14 @@ class WholeModelRunner(GPUModelRunner):
         if why is None:
             why = self._sm121_reason()
             if why is not None and self._sm121_fast_sampled:
-                self._sm121_note_fallback(why)
-                why, sampled = None, True
+                sampled = why
+                why = None
         entry = self.model.concrete_cudagraph_entries.get(chain[1])
         if why is None and (entry is None or entry.cudagraph is None):
             why = "no captured graph for this batch"
+        if why is None and sampled:
+            self._sm121_note_fallback(sampled)  # stock's sampler draws this step's tokens
+            sampled = True
         if why is not None:
             stock = self._sm121_steady["stock"]
             stock[why] = stock.get(why, 0) + 1
