@@ -21,8 +21,6 @@ Providers
     sm121_fma         the same with path="fma" (the CUDA-core GEMV; M <= 4 only, larger M are
                       recorded "unavailable").
     sm121_mma         the same with path="mma" (the tl.dot kernel at every M).
-    sm121_dequant     the same with path="dequant" (the codes upcast to a bf16 temporary, cuBLAS
-                      F.linear, scale and bias on the output; the upcast is timed).
                       ``--providers sm121_fma,sm121_mma`` times the two paths; sm121 records carry
                       the path "auto" took ("path").
     cublas_bf16       ``torch.nn.functional.linear`` on the bf16 weights (cuBLAS; stock vLLM).
@@ -65,7 +63,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (5120, 2880, True), "o": (2880, 4096, True), "lm_head": (201088, 2880, False)}  # N, K, bias
 DRY_SHAPES = {"qkv": (80, 64, True), "o": (64, 64, True), "lm_head": (200, 64, False)}
-PROVIDERS = ("sm121", "sm121_fma", "sm121_mma", "sm121_dequant", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8",
+PROVIDERS = ("sm121", "sm121_fma", "sm121_mma", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8",
              "vllm_fp8_marlin")
 SWEEP_MAX_REL_L2 = 1e-2  # a swept tile whose output is farther from its reference is a "mismatch"
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64)
@@ -183,9 +181,6 @@ def make_provider(provider: str, wts: dict, copies: int):
     if provider == "sm121_mma":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="mma"),
                 deq8, "e4m3 W x bf16 A, Triton MMA kernel (kernels/dense.py, path=mma)")
-    if provider == "sm121_dequant":
-        return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="dequant"),
-                deq8, "e4m3 W upcast to bf16 per call + cuBLAS F.linear (kernels/dense.py, path=dequant)")
     if provider == "sm121_fma":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="fma"),
                 deq8, "e4m3 W x bf16 A, Triton CUDA-core GEMV (kernels/dense.py, path=fma)")
@@ -294,7 +289,7 @@ def run(args, device) -> tuple[list[dict], dict]:
         wts = make_weights(n, k, bias, device, seed=si)
         for p in args.providers:
             base = {"provider": p, "shape": name, "n": n, "k": k, "bias": bias}
-            if not cuda and p not in ("sm121", "sm121_fma", "sm121_mma", "sm121_dequant", "cublas_bf16"):
+            if not cuda and p not in ("sm121", "sm121_fma", "sm121_mma", "cublas_bf16"):
                 records += [{**base, "m": m, "status": "unavailable: needs CUDA"} for m in args.m]
                 continue
             copies = _copies(p, n, k, bias, l2)

@@ -182,10 +182,6 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-fp8dense-w8a8", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
            "SM121 + FP8 dense, M >= 5 via vLLM's cutlass W8A8 GEMM", **OFF,
            env=(("VLLM_SM121_DENSE_W8A8_MIN_M", "5"),)),
-    # Off by default: prefill-sized batches (M >= 256) through cuBLAS on an upcast bf16 copy.
-    Config("sm121-fp8dense-dequant", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
-           "SM121 + FP8 dense, M >= 256 via cuBLAS on an upcast copy of the weight", **OFF,
-           env=(("VLLM_SM121_DENSE_DEQUANT_MIN_M", "256"),)),
     # Off by default: the plugin's MoE is gated off (vllm_sm121.moe.READY) and this opts in.
     Config("sm121-moe", {**SM121}, "SM121 + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),

@@ -28,8 +28,8 @@ Architecture
     e4m3 activations from ``scaled_fp8_quant``, ``cutlass_scaled_mm`` on the same weights and
     scales), opt-in with $VLLM_SM121_DENSE_W8A8_MIN_M until it has run end to end
     (DENSE_W8A8_MIN_M); where vLLM has no such kernel the call is refused, not rerouted.
-    Prefill may instead upcast the weight to a bf16 temporary and use cuBLAS (``path="dequant"``,
-    opt-in with $VLLM_SM121_DENSE_DEQUANT_MIN_M, DENSE_DEQUANT_MIN_M; not yet timed).
+    (An upcast-to-bf16 + cuBLAS prefill path was tried and removed: slower than cuBLAS bf16 and
+    the W8A8 GEMM at every M on an H200, docs/dense-cmp-h200-09758ed.json.)
 
     For the error study (``benchmarks/dense_error.py``) the module also holds the weight-only MX
     formats as torch conversions: ``mxfp8_weight_quantize`` (e4m3 + e8m0 per 32 along K, via
@@ -130,21 +130,7 @@ DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
 # M >= m (above the FMA path), read at each call like the FMA limit.
 DENSE_W8A8_MIN_M = 0
 DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
-# Prefill-sized M through cuBLAS ("dequant": the e4m3 weight upcast to a bf16 temporary, exact;
-# ``F.linear`` on it; the per-channel scale and the bias applied to the [M, N] output in fp32):
-# the GEMM is stock vLLM's bf16 one, plus one pass over the weight (1 byte read, 2 written) per
-# call, which a prefill of M >> 1 tokens amortizes. The MMA kernel's prefill is slower than
-# cuBLAS bf16 (gpt-oss-120b pp2048 with FP8 dense at 0.73x upstream on an H200, commit 188485b).
-# Weight-only numerics, as the MMA kernel's (bf16 activations), but the GEMM's output is rounded
-# to bf16 before the scale (one more bf16 rounding). Off (0): timed on an H200 (commit 09758ed,
-# docs/dense-cmp-h200-09758ed.json) it is slower than vLLM's W8A8 GEMM at every M (lm_head
-# M=2048: 7160 us vs 1966, cuBLAS bf16 3653; qkv M=2048: 218 vs 54) and gpt-oss-120b pp2048 ran
-# at 0.94x the bf16 weights (docs/e2e-120b-fp8dense-dequant-h200-09758ed.json).
-# $VLLM_SM121_DENSE_DEQUANT_MIN_M=m takes it for M >= m (above the FMA path; w8a8 first if both
-# are set), read at each call like the other limits.
-DENSE_DEQUANT_MIN_M = 0
-DENSE_DEQUANT_MIN_M_ENV = "VLLM_SM121_DENSE_DEQUANT_MIN_M"
-PATHS = ("auto", "fma", "mma", "w8a8", "dequant")
+PATHS = ("auto", "fma", "mma", "w8a8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,20 +191,16 @@ def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
 
 def select_path(m: int, n: int = 0) -> str:
     """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma",
-    "w8a8", "dequant" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
+    "w8a8" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
 
     $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the FMA limit for every N;
-    $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM;
-    $VLLM_SM121_DENSE_DEQUANT_MIN_M (default 0: off) sends M >= that to cuBLAS on an upcast copy.
+    $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM.
     """
     fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
     w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
-    if 0 < w8a8_min <= m:
-        return "w8a8"
-    dequant_min = V.env_int(DENSE_DEQUANT_MIN_M_ENV, DENSE_DEQUANT_MIN_M)
-    return "dequant" if 0 < dequant_min <= m else "mma"
+    return "w8a8" if 0 < w8a8_min <= m else "mma"
 
 
 def w8a8_unsupported_reason(x: torch.Tensor, n: int, k: int) -> str | None:
@@ -374,9 +356,8 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation).
 
     path: "auto" (``select_path``: the FMA GEMV for few tokens, else the MMA kernel, or vLLM's
-    W8A8 GEMM / cuBLAS on an upcast copy where $VLLM_SM121_DENSE_W8A8_MIN_M /
-    $VLLM_SM121_DENSE_DEQUANT_MIN_M say), "fma" (M <= DENSE_FMA_KERNEL_MAX_M only), "mma",
-    "w8a8" (the activations are quantized to e4m3 per token: W8A8 numerics) or "dequant".
+    W8A8 GEMM where $VLLM_SM121_DENSE_W8A8_MIN_M says), "fma" (M <= DENSE_FMA_KERNEL_MAX_M only),
+    "mma" or "w8a8" (the activations are quantized to e4m3 per token: W8A8 numerics).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
@@ -396,8 +377,6 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"dense FP8 path 'w8a8' (${DENSE_W8A8_MIN_M_ENV} or path='w8a8') is not supported "
                              f"here: {reason}; unset ${DENSE_W8A8_MIN_M_ENV} to use the MMA kernel")
         return _dense_w8a8(x, w, scale, bias)
-    if path == "dequant":
-        return _dense_dequant(x, w, scale, bias, out)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
     if m <= DECODE_MAX_M:
         bm, bn, bk, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS,
@@ -439,16 +418,6 @@ def _dense_w8a8(x, w, scale, bias) -> torch.Tensor:
     xq, xs = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
     b = bias.to(torch.bfloat16) if bias is not None and bias.dtype != torch.bfloat16 else bias
     return ops.cutlass_scaled_mm(xq, w.view(torch.float8_e4m3fn).t(), xs, scale.view(-1, 1), torch.bfloat16, b)
-
-
-def _dense_dequant(x, w, scale, bias, out) -> torch.Tensor:
-    """cuBLAS bf16 GEMM on the e4m3 codes upcast to bf16 (exact), then scale (and bias) per
-    output channel in fp32 on the [M, N] result (``DENSE_DEQUANT_MIN_M``)."""
-    codes = w.view(torch.float8_e4m3fn).to(x.dtype)  # a temporary of N x K bf16, freed after the call
-    y = torch.nn.functional.linear(x, codes) * scale  # bf16 x fp32 [N]: one fp32 kernel, no separate cast
-    if bias is not None:
-        y += bias.float()
-    return out.copy_(y)
 
 
 def w8a8_activation_quantize_torch(x: torch.Tensor) -> torch.Tensor:

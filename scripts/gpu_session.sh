@@ -75,7 +75,7 @@ for step in "$@"; do
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
-    densecmp) python3 benchmarks/dense.py --m "${DENSE_M:-8,32,512,2048}" --providers "${DENSE_PROVIDERS:-sm121_dequant,sm121_mma,vllm_cutlass_fp8,cublas_bf16}" --out "$OUT/dense_cmp.json" 2>&1 | tee "$OUT/densecmp.log" | tail -n 50 ;;
+    densecmp) python3 benchmarks/dense.py --m "${DENSE_M:-8,32,512,2048}" --providers "${DENSE_PROVIDERS:-sm121_mma,vllm_cutlass_fp8,cublas_bf16}" --out "$OUT/dense_cmp.json" 2>&1 | tee "$OUT/densecmp.log" | tail -n 50 ;;
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;
     profile) fail=0; for a in "--backend default" "--backend SM121" "--backend SM121 --dense-fp8" "--eager --backend default" "--eager --moe-experimental --dense-fp8"; do

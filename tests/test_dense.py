@@ -147,13 +147,9 @@ def test_dense_fma_matches_reference(n, k, m, bias, device):
 def test_dense_paths_and_selection(device, monkeypatch):
     x, q, s, b = _fma_case(4, 48, 96, True, seed=7, device=device)
     ref = D.dense_fp8_linear_torch(x, q, s, b)
-    for path in ("auto", "fma", "mma", "dequant"):
+    for path in ("auto", "fma", "mma"):
         assert_close(D.dense_fp8_linear(x, q, s, b, path=path), ref, atol=2e-2, rtol=1e-2, what=path)
-    xl, ql, sl, bl = _fma_case(40, 48, 96, True, seed=8, device=device)  # prefill-sized M
-    assert_close(D.dense_fp8_linear(xl, ql, sl, bl, path="dequant"), D.dense_fp8_linear_torch(xl, ql, sl, bl),
-                 atol=2e-2, rtol=1e-2, what="dequant M=40")
     monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV, raising=False)
-    monkeypatch.delenv(D.DENSE_DEQUANT_MIN_M_ENV, raising=False)
     assert [D.select_path(m, 5120) for m in (0, 1, 4, 5, 16)] == ["mma", "fma", "fma", "mma", "mma"]
     wide = D.WIDE_N  # lm_head: FMA only up to DENSE_FMA_WIDE_MAX_M tokens (timed on H100)
     assert [D.select_path(m, wide) for m in (1, 2)] == ["fma", "mma"]
@@ -170,13 +166,6 @@ def test_dense_paths_and_selection(device, monkeypatch):
     with pytest.raises(ValueError, match="VLLM_SM121_DENSE_W8A8_MIN_M='eight': expected an integer"):
         D.select_path(8)
     monkeypatch.delenv(D.DENSE_W8A8_MIN_M_ENV)
-    assert D.DENSE_DEQUANT_MIN_M == 0 and D.select_path(2048) == "mma"  # cuBLAS on an upcast copy: opt-in
-    monkeypatch.setenv(D.DENSE_DEQUANT_MIN_M_ENV, "256")
-    assert [D.select_path(m, 5120) for m in (1, 5, 255, 256, 4096)] == ["fma", "mma", "mma", "dequant", "dequant"]
-    monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "512")  # both set: w8a8 from its own limit on
-    assert [D.select_path(m, 5120) for m in (256, 512)] == ["dequant", "w8a8"]
-    monkeypatch.delenv(D.DENSE_W8A8_MIN_M_ENV)
-    monkeypatch.delenv(D.DENSE_DEQUANT_MIN_M_ENV)
     if device == "cpu":  # refused with the reason, never rerouted to another path
         with pytest.raises(ValueError, match="path 'w8a8'.*needs a CUDA device"):
             D.dense_fp8_linear(x, q, s, b, path="w8a8")

@@ -212,9 +212,7 @@ def test_configs_table():
         assert name not in e2e.DEFAULT_CONFIGS
     assert dict(by["sm121-fp8dense-w8a8"].env) == {"VLLM_SM121_DENSE_W8A8_MIN_M": "5"}
     assert "sm121-fp8dense-w8a8" not in e2e.DEFAULT_CONFIGS
-    assert dict(by["sm121-fp8dense-dequant"].env) == {"VLLM_SM121_DENSE_DEQUANT_MIN_M": "256"}
-    assert "sm121-fp8dense-dequant" not in e2e.DEFAULT_CONFIGS
-    dense_env = ("sm121-fp8dense-w8a8", "sm121-fp8dense-dequant", "sm121-graph-a")
+    dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a")
     assert dict(by["sm121-graph-a"].env) == {"VLLM_SM121_GRAPH_FAST_PATH": "0"}
     assert all(c.env == () for c in e2e.CONFIGS if c.name not in moe_on + dense_env)
 

@@ -355,7 +355,7 @@ class WholeModelRunner(GPUModelRunner):
         self.valid_sampled_token_count_gpu = None
         batch.prev_sampled_token_ids = self._sm121_tail.tokens[:n, None]  # int32 [n, 1], stock's dtype
         req_ids = batch.req_ids
-        batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
+        # prev_req_id_to_index stays: the continuation check found it equal to {req_id: row} already
         cursor = batch.num_tokens_no_spec
         for i in range(n):  # the -1 placeholder of each row's token in flight
             start = int(cursor[i])
