@@ -197,7 +197,7 @@ CONFIGS: tuple[Config, ...] = (
            env=(("VLLM_SM121_GRAPH_FAST_PATH", "0"),)),
     Config("sm121-all", {**SM121, "kv_cache_dtype": "nvfp4",
                          "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
-           "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode stage A (the MoE stays vLLM's)", **OFF),
+           "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode, stages A + B (the MoE stays vLLM's)", **OFF),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

@@ -46,6 +46,8 @@ for step in "$@"; do
     e2e_graphs) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "graph" -p no:cacheprovider > "$OUT/e2e_graphs.log" 2>&1; r=$?
          grep -E "gap|Error|passed|failed" "$OUT/e2e_graphs.log" | head -n 40; (exit $r) ;;
     eagle_nvfp4) python3 scripts/serve_check.py --model models/gpt-oss-tiny --expect-layers 5 --log "$OUT/serve_eagle_nvfp4.log" -- --kv-cache-dtype nvfp4 --max-cudagraph-capture-size 64 --speculative-config '{"method":"eagle3","model":"tests/eagle3-gpt-oss-tiny","num_speculative_tokens":3}' ;;
+    w8a8drift) python3 -m pytest -q -s tests/test_e2e_gpu.py -k "w8a8" -p no:cacheprovider > "$OUT/w8a8drift.log" 2>&1; r=$?
+         grep -E "^\[w8a8|Error|passed|failed|^E " "$OUT/w8a8drift.log" | head -n 20; (exit $r) ;;
     e2e_moe) VLLM_SM121_MOE_EXPERIMENTAL=1 python3 -m pytest -q -s tests/test_e2e_gpu.py -k "${E2E_MOE_K:-moe}" -p no:cacheprovider > "$OUT/e2e_moe.log" 2>&1; r=$?
          grep -E "^\[|Error|passed|failed" "$OUT/e2e_moe.log" | head -n 40; (exit $r) ;;
     tunekv) python3 benchmarks/tune_kv.py --out "$OUT/tune_kv.json" 2>&1 | tee "$OUT/tune_kv.log" | grep -E "^(==|device)|Error" ;;
@@ -110,7 +112,7 @@ for step in "$@"; do
          for f in "$OUT"/par_*.log; do echo "--- $f"; grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[" "$f" | tail -n 40; done
          (cd "$OUT" && tar czf /tmp/par.tgz --exclude 'par_*.log' . && find . -mindepth 1 ! -name 'par_*.log' -delete \
            && mv /tmp/par.tgz par.tgz); (exit $r) ;;
-    loadwm) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load_wm.json" -- --additional-config '{"sm121": {"cudagraph": "whole_model"}}' 2>&1 | tee "$OUT/serve_load_wm.log" | tail -n 30 ;;
+    loadwm) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load_wm.json" -- --additional-config '{"sm121": {"cudagraph": "whole_model"}}' ${LOAD_ARGS:-} 2>&1 | tee "$OUT/serve_load_wm.log" | tail -n 30 ;;
     load) python3 scripts/serve_load.py --model models/gpt-oss-tiny --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" | tail -n 30 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

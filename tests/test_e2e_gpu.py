@@ -277,3 +277,33 @@ def test_mixed_batch_decode_rows_within_upstream_spread(checkpoint, monkeypatch)
            spread)
     _check("SM121 decode rows in mixed batches (split launch) vs TRITON_ATTN teacher-forced",
            _diffs(gen_lp, triton["split"]), spread)
+
+
+def test_fp8_dense_w8a8_drift_reported(checkpoint, monkeypatch):
+    """Issue 8: FP8 dense layers (qkv / o / lm_head) with batches of >= 5 tokens through vLLM's
+    W8A8 GEMM (``$VLLM_SM121_DENSE_W8A8_MIN_M=5``: per-token e4m3 activations, cutlass_scaled_mm)
+    against the plugin's MMA kernel (bf16 activations, the default), both scored against the
+    checkpoint's bf16 layers: teacher-forced prompt logprobs, prefill chunked at 256 tokens (so
+    the prefill GEMMs run at M >= 5 and take the W8A8 path). The W8A8 path quantizes activations
+    too, so its drift may be larger than the MMA kernel's; both are printed next to upstream's
+    spread (FLASH_ATTN vs TRITON_ATTN). Bound: the drift stays below a quarter of the logprobs'
+    own spread (the sanity bound of the nvfp4 TP test), and each FP8 run is checked to have
+    changed something (an unchanged run would mean the option was not applied)."""
+    prompts = _prompts(PROMPT_LENS)
+    bf16 = _run(checkpoint, "SM121", prompts)[0]
+    spread = _diffs(_run(checkpoint, "FLASH_ATTN", prompts)[0], _run(checkpoint, "TRITON_ATTN", prompts)[0])
+    fp8 = dict(model=checkpoint, attention_backend="SM121",
+               additional_config={"sm121": {"moe": "upstream", "dense_weights": "fp8"}})
+    mma = run_engine(prompts, **fp8)[0]
+    monkeypatch.setenv("VLLM_SM121_DENSE_W8A8_MIN_M", "5")  # read by the spawned workers
+    w8a8 = run_engine(prompts, **fp8)[0]
+    monkeypatch.delenv("VLLM_SM121_DENSE_W8A8_MIN_M")
+    signal = torch.cat(bf16).std().item()
+    g_mma, g_w8a8, between = _diffs(mma, bf16), _diffs(w8a8, bf16), _diffs(w8a8, mma)
+    print(f"\n[w8a8] prompts {PROMPT_LENS}, logprob std {signal:.3g}; upstream spread mean {spread[0]:.4g} "
+          f"p99 {spread[1]:.4g}\n[w8a8] FP8 dense (MMA, bf16 activations) vs bf16 dense: mean {g_mma[0]:.4g} "
+          f"p99 {g_mma[1]:.4g}\n[w8a8] FP8 dense (W8A8 at M >= 5) vs bf16 dense: mean {g_w8a8[0]:.4g} "
+          f"p99 {g_w8a8[1]:.4g}\n[w8a8] W8A8 vs MMA: mean {between[0]:.4g} p99 {between[1]:.4g}; "
+          f"W8A8 within 1.5x of the MMA's drift: {_within(g_w8a8, g_mma)}")
+    assert g_mma[0] > 0 and between[0] > 0, "an FP8 run equals its reference: the option was not applied"
+    assert g_w8a8[0] < 0.25 * signal and g_mma[0] < 0.25 * signal, (g_w8a8, g_mma, signal)
