@@ -47,7 +47,7 @@ class StepGraphWrapper(CUDAGraphWrapper):
 # Pinned host slots for the steady steps' tokens: a slot is rewritten RING steps later, and vLLM's
 # engine keeps at most 2 steps in flight (async scheduling's batch queue) before reading one.
 RING = 8
-# Block-table entries one steady step may write through the input kernel ($VLLM_SM121_GRAPH_PATCH_PAGES=1):
+# Block-table entries one steady step may write through the input kernel (unless $VLLM_SM121_GRAPH_PATCH_PAGES=0):
 # a new page per row and group (more only with hybrid block sizes; beyond this, stock's upload).
 PATCHES = 2 * MAX_ROWS * steady.MAX_KV_GROUPS  # = kernels/decode_inputs.py MAX_PATCHES
 
@@ -78,8 +78,8 @@ class WholeModelRunner(GPUModelRunner):
     _sm121_static: str | None = None  # why the fast path is off for this engine ("" until checked)
     _sm121_pending: tuple | None = None  # a steady step between execute_model and sample_tokens
     _sm121_h2d_in_flight: bool = True  # a host-to-device copy may still read pinned input buffers
-    _sm121_fast_sampled: bool = False  # steady steps of batches stage A does not take ($VLLM_SM121_GRAPH_FAST_SAMPLED)
-    _sm121_patch_pages: bool = False  # new pages through the input kernel ($VLLM_SM121_GRAPH_PATCH_PAGES)
+    _sm121_fast_sampled: bool = False  # steady steps of batches stage A does not take (off: $VLLM_SM121_GRAPH_FAST_SAMPLED=0)
+    _sm121_patch_pages: bool = False  # new pages through the input kernel (off: $VLLM_SM121_GRAPH_PATCH_PAGES=0)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -96,8 +96,8 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_taken = 0
         self._sm121_steady = {"fast": 0, "staged": 0, "fast_sampled": 0, "stock": {}}
         self._sm121_static = "" if os.environ.get(steady.FAST_PATH_ENV, "1") != "0" else f"${steady.FAST_PATH_ENV}=0"
-        self._sm121_fast_sampled = os.environ.get(steady.FAST_SAMPLED_ENV, "0") == "1"
-        self._sm121_patch_pages = os.environ.get(steady.PATCH_PAGES_ENV, "0") == "1"
+        self._sm121_fast_sampled = os.environ.get(steady.FAST_SAMPLED_ENV, "1") != "0"
+        self._sm121_patch_pages = os.environ.get(steady.PATCH_PAGES_ENV, "1") != "0"
         self.model = StepGraphWrapper(self._sm121_tail, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
         logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
                     "graphs of <= %d requests; other batches run stock vLLM's path", rows)

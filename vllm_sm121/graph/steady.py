@@ -13,10 +13,9 @@ context, the eager lm_head and sampler, the output object's extra stream and all
 the input launch, the graph replay, one copy of the tokens to the host (plus, on a step where a
 request got a new KV block, one copy of the block tables per KV group).
 
-Batches whose tokens stage A does not take (temperature, logprobs, penalties, ...) run stock's
-step unless ``$VLLM_SM121_GRAPH_FAST_SAMPLED=1``: then their steady steps also run on device inputs
-and the graph replay, followed by stock's eager lm_head, sampler, bookkeeping and output (opt-in
-until it has run on a GPU; CPU-tested).
+Batches whose tokens stage A does not take (temperature, logprobs, penalties, ...): their steady
+steps also run on device inputs and the graph replay, followed by stock's eager lm_head, sampler,
+bookkeeping and output (``$VLLM_SM121_GRAPH_FAST_SAMPLED=0``: stock's whole step instead).
 
 Import-light (no vLLM at import): the predicates take plain objects, so they are CPU-testable.
 """
@@ -26,12 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 FAST_PATH_ENV = "VLLM_SM121_GRAPH_FAST_PATH"  # "0": stage A only (every step through stock's loop)
-# "1": steady steps of batches stage A does not take (sampling, logprobs, penalties, ...) also run
-# on device inputs, then stock's eager lm_head and sampler; opt-in until it has run on a GPU
+# steady steps of batches stage A does not take (sampling, logprobs, penalties, ...) also run on
+# device inputs, then stock's eager lm_head and sampler; "0": stock's whole step for them
 FAST_SAMPLED_ENV = "VLLM_SM121_GRAPH_FAST_SAMPLED"
-# "1": a steady step whose requests got new KV pages hands them to the input kernel as (group, row,
+# a steady step whose requests got new KV pages hands them to the input kernel as (group, row,
 # column, page) entries it reads from pinned host memory, instead of stock's copy of the block
-# tables (one or two copies every 16th step at batch 1); opt-in until it has run on a GPU
+# tables (one or two copies every 16th step at batch 1); "0": stock's block-table copies
 PATCH_PAGES_ENV = "VLLM_SM121_GRAPH_PATCH_PAGES"
 MAX_KV_GROUPS = 2  # the input kernel's limit (gpt-oss: full and sliding-window layers)
 STEADY_BACKENDS = ("SM121",)  # attention metadata built on persistent buffers, no device work
