@@ -61,6 +61,17 @@ def _gen(llm, params, n):
     return [list(r.outputs[0].token_ids) for r in res], res
 
 
+SEEDED = dict(max_tokens=GEN, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True, detokenize=False)
+
+
+def _gen_seeded(llm):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(seed=100 + i, **SEEDED) for i in range(4)]
+    res = llm.generate([{"prompt_token_ids": p} for p in _prompts(4)], params, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
+
+
 def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -99,6 +110,9 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
                                                detokenize=False)]
         res = llm.generate([{"prompt_token_ids": p} for p in _prompts(4)], mixed, use_tqdm=False)
         out["mixed"] = [list(r.outputs[0].token_ids) for r in res]
+        # seeded sampling (temperature, top-k, top-p), the same batch twice in this engine
+        for rep in (1, 2):
+            out[f"seeded{rep}"] = _gen_seeded(llm)
         if whole_model:
             out["stats_ranks"] = llm.collective_rpc("sm121_graph_stats")  # one dict per worker (TP rank)
             out["stats"] = out["stats_ranks"][0]
@@ -158,6 +172,11 @@ def test_graph_tokens_equal_stock_tokens_on_the_same_logits(runs):
     print(f"graph tokens vs stock sampling, same engine: {_same(seqs['greedy'], stock['on'])}")
     print(f"verified vs shipped graph tokens, same engine: {_same(seqs['verified'], seqs['greedy'])}")
     print(f"mode on vs mode off (two engines, stock sampling on both sides): {_same(stock['on'], stock['off'])}")
+    seeded = lambda a, b: f"{sum(x == y for x, y in zip(a, b))}/{len(a)} sequences identical"  # noqa: E731
+    print(f"seeded sampling (temperature 0.8, top-k 50, top-p 0.9): mode on, run 1 vs run 2: "
+          f"{seeded(runs['on']['seeded1'], runs['on']['seeded2'])}; mode off, run 1 vs 2: "
+          f"{seeded(runs['off']['seeded1'], runs['off']['seeded2'])}; mode on vs off: "
+          f"{seeded(runs['on']['seeded1'], runs['off']['seeded1'])}")
     if "off2" in runs:
         print(f"control, mode off vs mode off (two engines): {_same(stock['off'], stock['off2'])}")
     _assert_verified(on)
