@@ -29,8 +29,8 @@ def _features() -> list[str]:
     attention = (f"attention backend {compat.BACKEND_NAME} (--attention-backend {compat.BACKEND_NAME}; "
                  "speculative drafters follow it unless their config names a backend)")
     dense = "gpt-oss FP8 qkv/o/lm_head weights (--additional-config option sm121.dense_weights = fp8)"
-    graphs = ("whole-model CUDA graphs, stage A: lm_head + greedy sampling in the FULL decode graph "
-              "(--additional-config option sm121.cudagraph = whole_model)")
+    graphs = ("whole-model CUDA graphs: lm_head + greedy sampling in the FULL decode graph, steady decode "
+              "steps on device inputs (--additional-config option sm121.cudagraph = whole_model)")
     return [attention, dense, graphs] + ([moe.register()] if moe.READY else [])
 
 

@@ -99,8 +99,10 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_fast_sampled = os.environ.get(steady.FAST_SAMPLED_ENV, "1") != "0"
         self._sm121_patch_pages = os.environ.get(steady.PATCH_PAGES_ENV, "1") != "0"
         self.model = StepGraphWrapper(self._sm121_tail, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
-        logger.info("sm121 whole-model graphs (stage A): lm_head + greedy sampling inside the FULL decode "
-                    "graphs of <= %d requests; other batches run stock vLLM's path", rows)
+        logger.info("sm121 whole-model graphs: lm_head + greedy sampling inside the FULL decode graphs of <= %d "
+                    "requests (other batches: stock's lm_head and sampler); steady decode steps on device inputs "
+                    "unless $%s=0 (sampled / logprob batches too unless $%s=0; new KV pages through the input "
+                    "kernel unless $%s=0)", rows, steady.FAST_PATH_ENV, steady.FAST_SAMPLED_ENV, steady.PATCH_PAGES_ENV)
 
     def capture_model(self) -> int:
         # vLLM may still lower cudagraph_mode after load_model (backend support, in
