@@ -22,7 +22,9 @@ from triton.compiler import ASTSource
 
 from vllm_sm121 import platform as _platform
 
+from . import decode_sample as DS
 from .decode_inputs_details._decode_inputs import _advance_decode_inputs_kernel
+from .decode_sample_details._decode_sample import _decode_sample_final_kernel, _decode_sample_partial_kernel
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
@@ -283,14 +285,24 @@ def dense_specs(family: str) -> list[Spec]:
 
 
 def graph_specs(family: str) -> list[Spec]:
-    """The whole-model graph mode's device-side input advance (two KV groups, 32 padded rows)."""
+    """The whole-model graph mode's device-side input advance (two KV groups, 32 padded rows) and
+    its in-graph sampler (gpt-oss's vocabulary)."""
     del family
     return [Spec(name="advance_decode_inputs[2 groups, P32]", fn=_advance_decode_inputs_kernel,
                  constexprs=dict(P=32, BS0=16, BS1=16, NUM_GROUPS=2, BLOCK=128, MAX_PATCHES=128),
                  ptr_types=dict(tokens_ptr="*i64", num_reqs_ptr="*i32", input_ids_ptr="*i32", positions_ptr="*i64",
                                 seq_lens_ptr="*i32", bt0_ptr="*i32", slot0_ptr="*i64", bt1_ptr="*i32",
                                 slot1_ptr="*i64", patches_ptr="*i32"),
-                 num_warps=4)]
+                 num_warps=4),
+            Spec(name="decode_sample[partial, V201088]", fn=_decode_sample_partial_kernel,
+                 constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.BLOCK),
+                 ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
+                                part_val_ptr="*fp32", part_idx_ptr="*i32"),
+                 num_warps=DS.NUM_WARPS),
+            Spec(name="decode_sample[final]", fn=_decode_sample_final_kernel,
+                 constexprs=dict(NB_P2=triton.next_power_of_2(DS.num_blocks(201088))),
+                 ptr_types=dict(part_val_ptr="*fp32", part_idx_ptr="*i32", out_ptr="*i32", step_ptr="*i64"),
+                 num_warps=1)]
 
 
 def all_specs(family: str) -> list[Spec]:

@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 wm_test() {  # tests/test_whole_model_gpu.py [-k EXPR], its summary lines
   local log="$OUT/wmtest${1:+_$1}.log"
   python3 -m pytest -q -s tests/test_whole_model_gpu.py ${1:+-k "$1"} -p no:cacheprovider > "$log" 2>&1; local r=$?
-  grep -E "stats|verification|same engine|mode on|control|passed|failed|Error|^E " "$log" | head -n 30
+  grep -E "stats|verification|same engine|mode on|control|distinct|seeded|passed|failed|Error|^E " "$log" | head -n 30
   return $r
 }
 rc=0
@@ -92,6 +92,8 @@ for step in "$@"; do
          grep -E "gap|one launch|Error|passed|failed|^E " "$OUT/mixedsplit.log" | head -n 20; (exit $r) ;;
     wmtest) python3 -m pytest -q -m "gpu or interpreter" tests/test_decode_inputs.py -p no:cacheprovider 2>&1 | tail -n 3 | tee "$OUT/decode_inputs.log"
             wm_test ;;
+    wmsample) python3 -m pytest -q -m "gpu or interpreter" tests/test_decode_sample.py -p no:cacheprovider 2>&1 | tail -n 3 | tee "$OUT/decode_sample.log"
+              wm_test "temperature_sampling" ;;  # in-graph sampling: the kernel's tests, then the engine test alone
     wmtp) wm_test tp2 ;;  # the TP=2 case alone (2 GPUs)
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;

@@ -157,6 +157,19 @@ def _params(**kw):
     (dict(), [{}], {"nans_in_logits": True}, "VLLM_COMPUTE_NANS_IN_LOGITS"),
     (dict(), [{}], {"thinking_budget": True}, "thinking_token_budget"),
     (dict(), [], {}, "empty batch"),
+    # in-graph temperature sampling ($VLLM_SM121_GRAPH_SAMPLE=1): unseeded temperature-only rows are taken
+    (dict(all_greedy=False, generators={}, top_k=None, top_p=None), [{"temperature": 0.8}], {"graph_samples": True},
+     None),
+    (dict(all_greedy=False, generators={0: object()}, top_k=None, top_p=None), [{"temperature": 0.8, "seed": 3}],
+     {"graph_samples": True}, "seeded"),
+    (dict(all_greedy=False, generators={}, top_k=torch.ones(1), top_p=None), [{"temperature": 0.8, "top_k": 5}],
+     {"graph_samples": True}, "top-k / top-p"),
+    (dict(all_greedy=False, generators={}, top_k=None, top_p=torch.ones(1)), [{"temperature": 0.8, "top_p": 0.5}],
+     {"graph_samples": True}, "top-k / top-p"),
+    (dict(all_greedy=False, generators={}, top_k=None, top_p=None), [{"temperature": 0.8, "min_p": 0.1}],
+     {"graph_samples": True}, "min_p"),
+    (dict(all_greedy=False, generators={}, top_k=None, top_p=None, max_num_logprobs=1), [{"temperature": 0.8}],
+     {"graph_samples": True}, "logprobs"),
 ])
 def test_ineligible_reason(meta, params, flags, reason):
     got = T.ineligible_reason(_metadata(**meta), [_params(**p) for p in params], **flags)
@@ -217,6 +230,26 @@ def test_decode_tail_argmax_ties_take_the_lowest_index_like_stock():
     tail = T.DecodeTail(model, max_rows=4, device="cpu", get_context=lambda: _ctx(tokens=2, reqs=2))
     tail(torch.tensor([1, 2]))
     assert tail.tokens[:2].tolist() == [0, 0]
+
+
+def test_decode_tail_samples_temperature_rows_in_the_graph():
+    """$VLLM_SM121_GRAPH_SAMPLE=1: the tail runs kernels/decode_sample.py (interpreter here): greedy
+    rows keep stock's argmax, temperature rows get the reference's draw, the step advances."""
+    from vllm_sm121.kernels import decode_sample as ds
+
+    model = _Model(vocab=300)
+    tail = T.DecodeTail(model, max_rows=4, device="cpu", get_context=lambda: _ctx(tokens=3, reqs=3), samples=True)
+    tail.temperature[:3] = torch.tensor([0.0, 1.0, 0.5])
+    tail.seeds[:3] = torch.tensor([0, 11, 12])
+    ids = torch.tensor([3, 7, 11])
+    for step in range(3):
+        tail(ids)
+        logits = model.compute_logits(model.emb[ids]).float()
+        scores = ds.decode_sample_scores_torch(logits, tail.temperature, tail.seeds, step)
+        got = tail.tokens[:3].long()
+        assert got[0] == logits[0].argmax()
+        assert torch.all(scores.max(-1).values - scores.gather(1, got[:, None])[:, 0] <= 1e-5)
+        assert int(tail.step) == step + 1
 
 
 def test_claimed_step_skips_the_lm_head_once():
@@ -378,3 +411,53 @@ def test_runner_verification_compares_with_stock_on_the_same_logits(monkeypatch)
     r.sm121_graph_verify(False)
     r._model_forward()
     assert r._sm121_tail.claimed and r.sm121_graph_stats()["verify"]["steps"] == 0
+
+
+def test_runner_syncs_sampling_rows_only_when_they_change():
+    """In-graph sampling: the rows' temperatures / seeds reach the tail's buffers before a taken
+    replay, copied only when the rows or temperatures changed; an all-greedy batch needs zeros
+    only (a greedy chain never copies); a seed is a stable hash of (--seed, request id), so every
+    TP rank draws the same numbers; verification skips the temperature rows."""
+    import numpy as np
+
+    from vllm_sm121.graph import runner as R
+
+    r = object.__new__(R.WholeModelRunner)
+    r._sm121_tail = T.DecodeTail(_Model(), max_rows=4, device="cpu", samples=True)
+    r._sm121_sampling_key = None
+    r.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(seed=0))
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def batch(req_ids, temps, greedy):
+        r.input_batch = types.SimpleNamespace(req_ids=list(req_ids), num_reqs=len(req_ids),
+                                              temperature_cpu=np.array(temps, dtype=np.float32),
+                                              sampling_metadata=types.SimpleNamespace(all_greedy=greedy))
+
+    def counted(self, src, *a, **k):
+        copies.append(self.shape)
+        return real_copy(self, src, *a, **k)
+
+    torch.Tensor.copy_ = counted
+    try:
+        batch(["a", "b"], [0.0, 0.0], True)
+        r._sm121_sync_sampling()
+        r._sm121_sync_sampling()  # the same greedy batch: nothing copied
+        batch(["c"], [0.0], True)
+        r._sm121_sync_sampling()  # another greedy batch: zeros already there
+        assert len(copies) == 2 and r._sm121_tail.temperature.tolist() == [0.0] * 4
+        batch(["a", "b"], [0.0, 0.7], False)
+        r._sm121_sync_sampling()
+        r._sm121_sync_sampling()
+        assert len(copies) == 4
+        seeds = r._sm121_tail.seeds.tolist()
+        assert r._sm121_tail.temperature[:2].tolist() == pytest.approx([0.0, 0.7]) and seeds[0] != seeds[1] != 0
+        assert r._sm121_sampled_rows(2).tolist() == [False, True]
+        r._sm121_checked = {"steps": 0, "rows": 0, "mismatched_rows": 0, "max_logit_gap": 0.0}
+        r._sm121_check(torch.tensor([[5], [6]]), torch.zeros(2, 10), torch.tensor([[5], [9]]))
+        assert r._sm121_checked["mismatched_rows"] == 0 and r._sm121_checked["sampled_rows"] == 1
+        batch(["b", "a"], [0.7, 0.0], False)  # rows moved: copied again, each request keeps its seed
+        r._sm121_sync_sampling()
+        assert len(copies) == 6 and r._sm121_tail.seeds[:2].tolist() == [seeds[1], seeds[0]]
+    finally:
+        torch.Tensor.copy_ = real_copy

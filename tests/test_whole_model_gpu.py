@@ -206,3 +206,48 @@ def test_tp2_graph_tokens_equal_stock_tokens_on_the_same_logits(checkpoint):
     assert len({r["taken"] for r in on["stats_ranks"]}) == 1, on["stats_ranks"]  # ranks in step
     reasons = " ".join(on["stats"]["fallbacks"])
     assert "temperature > 0" in reasons and "logprobs" in reasons, on["stats"]
+
+
+def test_in_graph_temperature_sampling(checkpoint, monkeypatch):
+    """$VLLM_SM121_GRAPH_SAMPLE=1: the graph samples unseeded temperature-only requests too
+    (kernels/decode_sample.py). With verification on: a mixed batch (2 greedy, 2 temperature-1.0
+    rows) and an all-temperature batch take the graph's tokens (counted as taken, no "a request
+    samples" fallback), greedy rows equal stock's tokens on the same logits, temperature rows are
+    counted apart; 4 requests with one prompt at temperature 1.0 give distinct sequences; a
+    seeded request still falls back to stock's sampler."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("VLLM_SM121_GRAPH_SAMPLE", "1")
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=checkpoint, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=512,
+              gpu_memory_utilization=0.3, seed=0, attention_backend="SM121",
+              compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 8},
+              additional_config={"sm121": {"cudagraph": "whole_model"}})
+    try:
+        llm.collective_rpc("sm121_graph_verify", args=(True,))
+        greedy = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, detokenize=False)
+        hot = SamplingParams(max_tokens=GEN, temperature=1.0, ignore_eos=True, detokenize=False)
+        prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+        mixed = llm.generate(prompts, [greedy, hot, greedy, hot], use_tqdm=False)
+        same = [{"prompt_token_ids": _prompts(1)[0]}] * 4
+        hot_out = llm.generate(same, hot, use_tqdm=False)
+        seeded = llm.generate(prompts[:1], SamplingParams(max_tokens=GEN, temperature=1.0, seed=5, ignore_eos=True,
+                                                          detokenize=False), use_tqdm=False)
+        stats = llm.collective_rpc("sm121_graph_stats")[0]
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\nin-graph sampling stats: {stats}")
+    seqs = [list(r.outputs[0].token_ids) for r in hot_out]
+    print(f"temperature 1.0, one prompt, 4 requests: {len({tuple(s) for s in seqs})} distinct sequences")
+    v, fb = stats["verify"], stats["fallbacks"]
+    assert all(len(r.outputs[0].token_ids) == GEN for r in [*mixed, *hot_out, *seeded])
+    assert not any("a request samples" in k for k in fb), fb
+    assert any("seeded" in k for k in fb), fb
+    assert stats["taken"] >= 2 * (GEN - 6), stats
+    assert v["mismatched_rows"] == 0 and v["sampled_rows"] >= 6 * (GEN - 6) and v["rows"] >= 2 * (GEN - 6), v
+    assert len({tuple(s) for s in seqs}) >= 2, seqs

@@ -15,11 +15,20 @@ Verification (``sm121_graph_verify(True)``, e.g. ``LLM.collective_rpc("sm121_gra
 args=(True,))``; a debugging and test aid, slower): a step that takes the graph's tokens also runs
 stock's lm_head and sampler on the same hidden states, counts rows where the two tokens differ and
 the largest logit gap of such a row (0 for an exact tie, which stock breaks to the lowest index as
-well), and still returns the graph's tokens.
+well), and still returns the graph's tokens. Rows the graph samples at a temperature
+(``$VLLM_SM121_GRAPH_SAMPLE=1``) are random on both sides: counted apart, not compared.
+
+In-graph sampling (``$VLLM_SM121_GRAPH_SAMPLE=1``, opt-in): the tail runs
+``kernels/decode_sample.py`` instead of the argmax, and unseeded temperature-only requests take the
+graph's tokens as greedy ones do. Before a replay whose tokens are taken, the rows' temperatures and
+seeds are copied to the tail's buffers when the rows changed (never within a steady greedy chain).
+A row's seed is a hash of (the engine's ``--seed``, the request id): the same on every TP rank, as
+each rank samples for itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -32,7 +41,8 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SamplerOu
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from . import steady
-from .tail import MAX_ROWS, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason, unsupported_reason
+from .tail import (MAX_ROWS, SAMPLE_ENV, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason,
+                   unsupported_reason)
 
 logger = init_logger("vllm.sm121.graph")
 
@@ -91,7 +101,9 @@ class WholeModelRunner(GPUModelRunner):
         if why:
             raise ValueError(f"{SECTION_OPTION}: {why}")
         rows = min(MAX_ROWS, self.compilation_config.max_cudagraph_capture_size or MAX_ROWS)
-        self._sm121_tail = DecodeTail(self.model.unwrap(), rows, self.device)
+        self._sm121_tail = DecodeTail(self.model.unwrap(), rows, self.device,
+                                      samples=os.environ.get(SAMPLE_ENV, "0") == "1")
+        self._sm121_sampling_key = None  # the rows whose temperatures / seeds the tail's buffers hold
         self._sm121_fallbacks = {}
         self._sm121_taken = 0
         self._sm121_steady = {"fast": 0, "staged": 0, "fast_sampled": 0, "stock": {}}
@@ -143,7 +155,38 @@ class WholeModelRunner(GPUModelRunner):
         return ineligible_reason(
             metadata, params, custom_logits_processors=self._sm121_custom_logitsprocs(metadata),
             nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
-            thinking_budget=not getattr(batch, "no_thinking_budget", True))
+            thinking_budget=not getattr(batch, "no_thinking_budget", True), graph_samples=getattr(self._sm121_tail, "samples", False))
+
+    def _sm121_sync_sampling(self) -> None:
+        """Before a replay whose tokens are taken, with in-graph sampling: the rows' temperatures
+        (0 = greedy) and seeds into the tail's buffers, copied only when they changed (an all-greedy
+        batch needs only zero temperatures, so greedy chains never copy)."""
+        tail, batch = self._sm121_tail, self.input_batch
+        if not tail.samples:
+            return
+        n = batch.num_reqs
+        temps = np.asarray(batch.temperature_cpu[:n], dtype=np.float32)
+        greedy = batch.sampling_metadata.all_greedy
+        key = "greedy" if greedy else (tuple(batch.req_ids[:n]), temps.tobytes())
+        if key == self._sm121_sampling_key:
+            return
+        host_t = np.zeros(tail.max_rows, dtype=np.float32)
+        host_s = np.zeros(tail.max_rows, dtype=np.int64)
+        if not greedy:
+            host_t[:n] = temps
+            base = self.vllm_config.model_config.seed or 0
+            for i, req_id in enumerate(batch.req_ids[:n]):
+                digest = hashlib.blake2b(f"{base}:{req_id}".encode(), digest_size=8).digest()
+                host_s[i] = int.from_bytes(digest, "little") & ((1 << 63) - 1)
+        tail.temperature.copy_(torch.from_numpy(host_t))  # stream-ordered after the previous replay
+        tail.seeds.copy_(torch.from_numpy(host_s))
+        self._sm121_sampling_key = key
+
+    def _sm121_sampled_rows(self, n: int) -> torch.Tensor | None:
+        """Rows [n] bool that the graph sampled at a temperature (None: none): verification skips them."""
+        if not self._sm121_tail.samples or self.input_batch.sampling_metadata.all_greedy:
+            return None
+        return torch.from_numpy(np.asarray(self.input_batch.temperature_cpu[:n]) >= 1e-5)
 
     def _model_forward(self, *args, **kwargs):
         tail = self._sm121_tail
@@ -158,6 +201,7 @@ class WholeModelRunner(GPUModelRunner):
                     if not self._sm121_verify:  # verification keeps stock's lm_head for the comparison
                         tail.claim()
                     self._sm121_take = True
+                    self._sm121_sync_sampling()
                 else:
                     self._sm121_note_fallback(why)
         return super()._model_forward(*args, **kwargs)
@@ -260,6 +304,8 @@ class WholeModelRunner(GPUModelRunner):
         from vllm.model_executor.offloader.base import get_offloader
 
         get_offloader().sync_prev_onload()  # as CUDAGraphWrapper does before a replay
+        if not sampled:
+            self._sm121_sync_sampling()
         entry.cudagraph.replay()
         self._sm121_take = False
         if sampled:  # stock's lm_head, sampler and output on the graph's hidden states
@@ -393,11 +439,16 @@ class WholeModelRunner(GPUModelRunner):
         c["input_mismatches"] = c.get("input_mismatches", 0) + bad
 
     def _sm121_check(self, graph, logits, stock) -> None:
-        """Verification: count rows where the graph's token differs from stock's on these logits."""
+        """Verification: count rows where the graph's token differs from stock's on these logits
+        (rows the graph sampled at a temperature are counted apart: random on both sides)."""
         c = self._sm121_checked
         diff = (graph != stock).view(-1)
+        sampled = self._sm121_sampled_rows(diff.numel())
+        if sampled is not None:
+            diff = diff & ~sampled.to(diff.device)
+            c["sampled_rows"] = c.get("sampled_rows", 0) + int(sampled.sum())
         c["steps"] += 1
-        c["rows"] += int(diff.numel())
+        c["rows"] += int(diff.numel()) - int(sampled.sum() if sampled is not None else 0)
         bad = int(diff.sum().item())
         if bad:
             lf = logits.to(torch.float32)

@@ -33,6 +33,8 @@ SECTION_OPTION = '--additional-config \'{"sm121": {"cudagraph": "whole_model"}}\
 # Rows (requests) a tail covers: logits are [P, vocab] fp32 temporaries inside the graph
 # (gpt-oss: 0.8 MB per row), so large decode batches keep stock's path.
 MAX_ROWS = 32
+# "1": the graph also samples unseeded temperature-only requests (kernels/decode_sample.py; opt-in)
+SAMPLE_ENV = "VLLM_SM121_GRAPH_SAMPLE"
 STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 WORKER = "vllm_sm121.graph.worker.WholeModelWorker"
 
@@ -66,10 +68,14 @@ def covers(ctx: Any, max_rows: int) -> bool:
 
 
 def ineligible_reason(metadata: Any, params: list[Any], *, custom_logits_processors: bool = False,
-                      nans_in_logits: bool = False, thinking_budget: bool = False) -> str | None:
-    """Why a batch cannot take the graph's greedy tokens (None: it can). ``metadata``: vLLM's
+                      nans_in_logits: bool = False, thinking_budget: bool = False,
+                      graph_samples: bool = False) -> str | None:
+    """Why a batch cannot take the graph's tokens (None: it can). ``metadata``: vLLM's
     ``SamplingMetadata`` of the persistent batch; ``params``: the requests' ``SamplingParams``.
-    Anything that changes greedy logits or needs them after the step falls back."""
+    Anything that changes the logits or needs them after the step falls back. ``graph_samples``:
+    the graph samples temperature rows too (``$VLLM_SM121_GRAPH_SAMPLE=1``), so unseeded
+    temperature-only requests are taken; seeded ones (stock's generator keeps their tokens
+    reproducible and equal to the mode off), top-k, top-p and min-p fall back."""
     if not params:
         return "empty batch"
     if custom_logits_processors:
@@ -79,7 +85,15 @@ def ineligible_reason(metadata: Any, params: list[Any], *, custom_logits_process
     if nans_in_logits:
         return "VLLM_COMPUTE_NANS_IN_LOGITS needs the logits"
     if not metadata.all_greedy:
-        return "a request samples (temperature > 0; the graph's sampler is greedy-only in this stage)"
+        if not graph_samples:
+            return ("a request samples (temperature > 0; the graph's sampler is greedy-only unless "
+                    f"${SAMPLE_ENV}=1)")
+        if metadata.generators:
+            return "a seeded request (stock's per-request generator draws its tokens)"
+        if metadata.top_k is not None or metadata.top_p is not None:
+            return "top-k / top-p requested (the graph samples temperature only)"
+        if any(getattr(p, "min_p", 0.0) for p in params):
+            return "min_p requested (the graph samples temperature only)"
     if metadata.max_num_logprobs is not None or getattr(metadata, "logprob_token_ids", None):
         return "logprobs requested"
     if not metadata.no_penalties:
@@ -105,11 +119,16 @@ class DecodeTail:
     except ``compute_logits``, which returns a placeholder when the runner has claimed the
     graph's tokens for this step (``take``), and the model's lm_head otherwise."""
 
-    def __init__(self, model: Any, max_rows: int, device: torch.device | str, get_context=None):
+    def __init__(self, model: Any, max_rows: int, device: torch.device | str, get_context=None,
+                 samples: bool = False):
         self.__dict__.update(model=model, max_rows=max_rows, claimed=False, ran=0,
                              tokens=torch.zeros(max_rows, dtype=torch.int32, device=device),
                              _stub=torch.empty((max_rows, 0), dtype=torch.float32, device=device),
-                             _get_context=get_context)
+                             _get_context=get_context, samples=samples, _ws=None)
+        if samples:  # in-graph temperature sampling (kernels/decode_sample.py); rows' options set by the runner
+            self.__dict__.update(temperature=torch.zeros(max_rows, dtype=torch.float32, device=device),
+                                 seeds=torch.zeros(max_rows, dtype=torch.int64, device=device),
+                                 step=torch.zeros(1, dtype=torch.int64, device=device))
 
     def __getattr__(self, name: str) -> Any:
         model = self.__dict__.get("model")
@@ -126,8 +145,14 @@ class DecodeTail:
             from vllm.v1.sample.sampler import Sampler
 
             logits = self.model.compute_logits(out)
-            # stock's greedy path: fp32 logits, Sampler.greedy_sample (argmax, lowest index on ties)
-            self.tokens[: logits.shape[0]].copy_(Sampler.greedy_sample(logits.to(torch.float32)))
+            if self.samples:  # greedy rows: the same argmax; temperature rows: the exponential race
+                from vllm_sm121.kernels import decode_sample as ds
+
+                if self._ws is None or self._ws[0].shape[1] != ds.num_blocks(logits.shape[1]):
+                    self.__dict__["_ws"] = ds.workspace(self.max_rows, logits.shape[1], logits.device)
+                ds.decode_sample(logits, self.temperature, self.seeds, self.step, self.tokens, self._ws)
+            else:  # stock's greedy path: fp32 logits, Sampler.greedy_sample (argmax, lowest index on ties)
+                self.tokens[: logits.shape[0]].copy_(Sampler.greedy_sample(logits.to(torch.float32)))
             self.__dict__["ran"] += 1  # Python-side count: captures and eager runs, not replays
         return out
 

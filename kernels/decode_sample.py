@@ -1,0 +1,106 @@
+"""On-device decode sampling for the whole-model graph (issue 7): greedy and temperature rows in one
+graph-capturable pair of launches.
+
+``decode_sample(logits, temperature, seeds, step, out)`` writes one token per row of ``logits``
+[P, V] into ``out``:
+
+* greedy rows (``temperature < SAMPLING_EPS``, vLLM's 1e-5): ``argmax`` of the fp32 logits,
+  lowest index on ties: stock vLLM's ``Sampler.greedy_sample`` on the same logits;
+* temperature rows: ``argmax(logits / T - log(-log u))``, the exponential race stock's
+  ``random_sample`` runs (``argmax(softmax(logits / T) / E)``, ``E ~ Exp(1)``) in the log domain,
+  with u in (0, 1) a pure function of (the row's 64-bit seed, the step counter, the token index):
+  ``vllm_sm121.graph.sampler.uniforms``, the same counter-based hash. Same distribution as stock's;
+  not stock's random numbers (its per-request ``torch.Generator`` is host state), which is why the
+  runner leaves seeded requests to stock's sampler.
+
+No top-k / top-p / min-p here (the runner leaves such batches to stock's sampler). The step
+counter (int64, one element, on the device) is advanced by the second launch, so every replay of
+a captured graph draws new numbers; nothing is read from the host.
+
+Launches: (P, cdiv(V, BLOCK)) programs each score BLOCK entries (the noise only on temperature
+rows: a per-row branch) and keep their best (value, lowest index); then P programs reduce the
+blocks. Logits are read once. Numerics are not bit-exact with the torch reference for
+temperature rows (``log`` may round differently); greedy rows are exact. NaN logits are not
+handled specially (stock's ``argmax`` returns a NaN's index; this kernel may not).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .decode_sample_details._decode_sample import _decode_sample_final_kernel, _decode_sample_partial_kernel
+
+SAMPLING_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
+BLOCK = 4096
+NUM_WARPS = 8
+
+
+def num_blocks(vocab_size: int) -> int:
+    return triton.cdiv(vocab_size, BLOCK)
+
+
+def workspace(rows: int, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block partial results for ``rows`` rows (allocate once, outside graph capture)."""
+    nb = num_blocks(vocab_size)
+    return (torch.empty((rows, nb), dtype=torch.float32, device=device),
+            torch.empty((rows, nb), dtype=torch.int32, device=device))
+
+
+def _check(logits, temperature, seeds, step, out, ws):
+    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected a 2-D fp32/bf16/fp16 tensor with unit stride along the vocabulary, got "
+                         f"{logits.dtype} {tuple(logits.shape)} stride {logits.stride()}")
+    p = logits.shape[0]
+    for name, t, dtypes in (("temperature", temperature, (torch.float32,)), ("seeds", seeds, (torch.int64,)),
+                            ("out", out, (torch.int32, torch.int64))):
+        if t.dtype not in dtypes or t.dim() != 1 or t.shape[0] < p or t.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous 1-D {'/'.join(map(str, dtypes))} tensor of >= {p} rows, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if step.dtype != torch.int64 or step.numel() != 1:
+        raise ValueError(f"step: expected a one-element int64 tensor, got {step.dtype} {tuple(step.shape)}")
+    vals, idx = ws
+    nb = num_blocks(logits.shape[1])
+    if vals.dtype != torch.float32 or idx.dtype != torch.int32 or vals.shape[0] < p or idx.shape[0] < p \
+            or vals.shape[1] != nb or idx.shape[1] != nb:
+        raise ValueError(f"workspace: expected fp32 and int32 [>= {p}, {nb}] tensors (decode_sample.workspace), got "
+                         f"{vals.dtype} {tuple(vals.shape)} and {idx.dtype} {tuple(idx.shape)}")
+    devices = {t.device for t in (logits, temperature, seeds, step, out, vals, idx)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def decode_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor,
+                  out: torch.Tensor, ws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Tokens of the P = ``logits.shape[0]`` rows into ``out[:P]``; advances ``step`` by one.
+    ``temperature`` fp32, ``seeds`` int64 (rows >= P ignored); ``ws`` from :func:`workspace`
+    (allocated here when None, which a graph capture should avoid)."""
+    if ws is None:
+        ws = workspace(logits.shape[0], logits.shape[1], logits.device)
+    _check(logits, temperature, seeds, step, out, ws)
+    p, v = logits.shape
+    nb = num_blocks(v)
+    vals, idx = ws
+    _decode_sample_partial_kernel[(p, nb)](logits, logits.stride(0), temperature, seeds, step, vals, idx, v, nb,
+                                           EPS=SAMPLING_EPS, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _decode_sample_final_kernel[(p,)](vals, idx, out, step, nb, NB_P2=triton.next_power_of_2(nb), num_warps=1)
+    return out
+
+
+def decode_sample_scores_torch(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                               step: int) -> torch.Tensor:
+    """Reference scores [P, V] (fp32): the raw logits on greedy rows, logits / T + Gumbel noise
+    from ``graph.sampler.uniforms`` on the others."""
+    from vllm_sm121.graph.sampler import uniforms
+
+    p, v = logits.shape
+    x = logits.to(torch.float32)
+    t = temperature[:p].to(torch.float32)
+    u = uniforms(seeds[:p].to(torch.int64), torch.full((p,), step, dtype=torch.int64, device=logits.device), v)
+    noisy = x / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None] - torch.log(-torch.log(u))
+    return torch.where((t >= SAMPLING_EPS)[:, None], noisy, x)
+
+
+def decode_sample_torch(logits, temperature, seeds, step: int) -> torch.Tensor:
+    """Reference tokens (int64 [P]): ``argmax`` of :func:`decode_sample_scores_torch`."""
+    return decode_sample_scores_torch(logits, temperature, seeds, step).argmax(dim=-1)
