@@ -155,12 +155,14 @@ class WholeModelRunner(GPUModelRunner):
         return ineligible_reason(
             metadata, params, custom_logits_processors=self._sm121_custom_logitsprocs(metadata),
             nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
-            thinking_budget=not getattr(batch, "no_thinking_budget", True), graph_samples=getattr(self._sm121_tail, "samples", False))
+            thinking_budget=not getattr(batch, "no_thinking_budget", True),
+            graph_samples=getattr(self._sm121_tail, "samples", False))
 
     def _sm121_sync_sampling(self) -> None:
         """Before a replay whose tokens are taken, with in-graph sampling: the rows' temperatures
         (0 = greedy) and seeds into the tail's buffers, copied only when they changed (an all-greedy
-        batch needs only zero temperatures, so greedy chains never copy)."""
+        batch needs only zero temperatures, so greedy chains never copy). The copies are queued from
+        a pinned ring slot (RING, as the token slots: rewritten only RING syncs later), no host wait."""
         tail, batch = self._sm121_tail, self.input_batch
         if not tail.samples:
             return
@@ -170,16 +172,24 @@ class WholeModelRunner(GPUModelRunner):
         key = "greedy" if greedy else (tuple(batch.req_ids[:n]), temps.tobytes())
         if key == self._sm121_sampling_key:
             return
-        host_t = np.zeros(tail.max_rows, dtype=np.float32)
-        host_s = np.zeros(tail.max_rows, dtype=np.int64)
+        if self.__dict__.get("_sm121_samp_t") is None:
+            pin = tail.temperature.device.type == "cuda"  # (CPU tests: no pinned memory without a driver)
+            self._sm121_samp_t = torch.zeros((RING, tail.max_rows), dtype=torch.float32, pin_memory=pin)
+            self._sm121_samp_s = torch.zeros((RING, tail.max_rows), dtype=torch.int64, pin_memory=pin)
+            self._sm121_samp_next = 0
+        k = self._sm121_samp_next
+        self._sm121_samp_next = (k + 1) % RING
+        host_t, host_s = self._sm121_samp_t[k].numpy(), self._sm121_samp_s[k].numpy()
+        host_t[:] = 0.0
+        host_s[:] = 0
         if not greedy:
             host_t[:n] = temps
             base = self.vllm_config.model_config.seed or 0
             for i, req_id in enumerate(batch.req_ids[:n]):
                 digest = hashlib.blake2b(f"{base}:{req_id}".encode(), digest_size=8).digest()
                 host_s[i] = int.from_bytes(digest, "little") & ((1 << 63) - 1)
-        tail.temperature.copy_(torch.from_numpy(host_t))  # stream-ordered after the previous replay
-        tail.seeds.copy_(torch.from_numpy(host_s))
+        tail.temperature.copy_(self._sm121_samp_t[k], non_blocking=True)  # stream-ordered: after the last replay
+        tail.seeds.copy_(self._sm121_samp_s[k], non_blocking=True)
         self._sm121_sampling_key = key
 
     def _sm121_sampled_rows(self, n: int) -> torch.Tensor | None:
