@@ -195,6 +195,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-graph-a", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
            "SM121, whole-model graph mode stage A only (every step through stock's input preparation)", **OFF,
            env=(("VLLM_SM121_GRAPH_FAST_PATH", "0"),)),
+    Config("sm121-graph-sample", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
+           "SM121, whole-model graph mode + in-graph temperature sampling (opt-in)", **OFF,
+           env=(("VLLM_SM121_GRAPH_SAMPLE", "1"),)),
     Config("sm121-all", {**SM121, "kv_cache_dtype": "nvfp4",
                          "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode, stages A + B (the MoE stays vLLM's)", **OFF),
@@ -599,11 +602,15 @@ def make_prompts(pt: Point, vocab: int, seed: int, run: int | None = None) -> li
     ]
 
 
+# Every request's temperature (--temperature; the child process sets it from its spec): 0 = greedy.
+SAMPLING_TEMPERATURE = 0.0
+
+
 def make_sampling_params(max_tokens: int):
     from vllm import SamplingParams
 
     return SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        temperature=SAMPLING_TEMPERATURE, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
 
 
@@ -863,7 +870,9 @@ def start_engine(llm_kwargs: dict, res: dict, result_path: str, log):
 
 
 def child_main(spec_path: str, result_path: str) -> int:
+    global SAMPLING_TEMPERATURE
     spec = json.loads(Path(spec_path).read_text())
+    SAMPLING_TEMPERATURE = float(spec.get("temperature", 0.0))
     if spec.get("mode") == "copy_bandwidth":
         try:
             res = measure_copy_bandwidth()
@@ -1147,6 +1156,7 @@ def make_header(args, copy_bw: dict | None) -> dict:
         "extra_iters": args.extra_iters,
         "warmup": args.warmup,
         "seed": args.seed,
+        "temperature": args.temperature,
         # every configuration's LLM kwargs carry them too (tensor_parallel_size only when > 1)
         "tensor_parallel_size": tp,
         "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
@@ -1347,11 +1357,12 @@ def _num(x: float | None, fmt: str) -> str:
 def print_results(result: dict) -> None:
     hdr = result["header"]
     copy_gbps = hdr.get("copy_bandwidth_gbps")
+    temp_label = f", temperature {hdr['temperature']}" if hdr.get("temperature") else ""
     print(
         f"\ndevice {hdr.get('device')} (capability {hdr.get('capability')}), vllm {hdr.get('vllm')}, "
         f"torch {hdr.get('torch')}, triton {hdr.get('triton')}, vllm-sm121 {hdr.get('vllm_sm121')}, "
         f"commit {hdr.get('git_commit')}, copy bandwidth {_num(copy_gbps, '.0f')} GB/s, "
-        f"{hdr.get('mode')} mode, iters {hdr.get('iters')}"
+        f"{hdr.get('mode')} mode, iters {hdr.get('iters')}{temp_label}"
         f"{parallel_label(hdr.get('tensor_parallel_size') or 1, bool(hdr.get('enable_expert_parallel')))}"
     )
     for m in result["models"]:
@@ -1650,6 +1661,14 @@ def parse_args(argv=None):
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (default 0: greedy; 1.0 is gpt-oss's usual serving "
+        "setting, which the whole-model mode samples inside its graph with VLLM_SM121_GRAPH_SAMPLE=1, "
+        "e2e config sm121-graph-sample)",
+    )
+    ap.add_argument(
         "--out",
         default=None,
         help="JSON output (default results/e2e.json; --dry-run: results/e2e_dryrun.json)",
@@ -1893,6 +1912,7 @@ def main(argv=None) -> int:
                 "extra_iters": args.extra_iters,
                 "warmup": args.warmup,
                 "seed": args.seed,
+                "temperature": args.temperature,
                 "cached_prompts": bool(getattr(args, "cached_prompts", False)),
                 "vocab": m.hf_config["vocab_size"],
                 "t0": t_start,

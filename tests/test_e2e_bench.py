@@ -212,8 +212,10 @@ def test_configs_table():
         assert name not in e2e.DEFAULT_CONFIGS
     assert dict(by["sm121-fp8dense-w8a8"].env) == {"VLLM_SM121_DENSE_W8A8_MIN_M": "5"}
     assert "sm121-fp8dense-w8a8" not in e2e.DEFAULT_CONFIGS
-    dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a")
+    dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample")
     assert dict(by["sm121-graph-a"].env) == {"VLLM_SM121_GRAPH_FAST_PATH": "0"}
+    assert dict(by["sm121-graph-sample"].env) == {"VLLM_SM121_GRAPH_SAMPLE": "1"}
+    assert "sm121-graph-sample" not in e2e.DEFAULT_CONFIGS
     assert all(c.env == () for c in e2e.CONFIGS if c.name not in moe_on + dense_env)
 
 
@@ -714,3 +716,14 @@ def test_cached_prompts_prime_decode_points_and_refresh_prefill_points():
     seen.clear()
     e2e.run_point(FakeLLM(), pp, 1000, dict(spec, cached_prompts=False), lambda msg: None)
     assert len({p for _, p in seen}) == 1  # without the flag: the same prompts every run
+
+
+def test_temperature_reaches_the_header_and_the_sampling_params(tmp_path, monkeypatch):
+    """--temperature: recorded in the JSON header; the child's SamplingParams use it."""
+    out = tmp_path / "e2e.json"
+    r = _run("--dry-run", "--no-vllm-check", "--model", "models/gpt-oss-tiny", "--temperature", "1.0",
+             "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads(out.read_text())["header"]["temperature"] == 1.0
+    monkeypatch.setattr(e2e, "SAMPLING_TEMPERATURE", 1.0)
+    assert e2e.make_sampling_params(4).temperature == 1.0
