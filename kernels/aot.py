@@ -24,7 +24,8 @@ from vllm_sm121 import platform as _platform
 
 from . import decode_sample as DS
 from .decode_inputs_details._decode_inputs import _advance_decode_inputs_kernel
-from .decode_sample_details._decode_sample import _decode_sample_final_kernel, _decode_sample_partial_kernel
+from .decode_sample_details._decode_sample import (_decode_sample_final_kernel, _decode_sample_partial_kernel,
+                                                   _decode_sample_threshold_kernel)
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
@@ -294,10 +295,15 @@ def graph_specs(family: str) -> list[Spec]:
                                 seq_lens_ptr="*i32", bt0_ptr="*i32", slot0_ptr="*i64", bt1_ptr="*i32",
                                 slot1_ptr="*i64", patches_ptr="*i32"),
                  num_warps=4),
-            Spec(name="decode_sample[partial, V201088]", fn=_decode_sample_partial_kernel,
-                 constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.BLOCK),
-                 ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
-                                part_val_ptr="*fp32", part_idx_ptr="*i32"),
+            *[Spec(name=f"decode_sample[partial, V201088{', top-k/top-p' if thr else ''}]",
+                   fn=_decode_sample_partial_kernel, constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.BLOCK, HAS_THR=thr),
+                   ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
+                                  thr_ptr="*i32", part_val_ptr="*fp32", part_idx_ptr="*i32"),
+                   num_warps=DS.NUM_WARPS) for thr in (False, True)],
+            Spec(name="decode_sample[top-k/top-p thresholds]", fn=_decode_sample_threshold_kernel,
+                 constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.THRESHOLD_BLOCK),
+                 ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32",
+                                thr_ptr="*i32"),
                  num_warps=DS.NUM_WARPS),
             Spec(name="decode_sample[final]", fn=_decode_sample_final_kernel,
                  constexprs=dict(NB_P2=triton.next_power_of_2(DS.num_blocks(201088))),

@@ -13,7 +13,13 @@ graph-capturable pair of launches.
   not stock's random numbers (its per-request ``torch.Generator`` is host state), which is why the
   runner leaves seeded requests to stock's sampler.
 
-No top-k / top-p / min-p here (the runner leaves such batches to stock's sampler). The step
+With ``top_k`` / ``top_p`` (per row; off = 0 or >= V / 1.0), a third launch first finds each
+temperature row's threshold (``_decode_sample_threshold_kernel``: one program per row, bisection
+over the 32-bit keys of the scaled logits, 32 passes for top-k and 32 for top-p, no sort) and the
+race runs over the entries at or above it: vLLM's rules (top-k keeps every value >= the k-th
+largest, ties included; top-p on the top-k survivors' softmax keeps the values whose mass at or
+below them exceeds 1 - p). Sums run in another order than vLLM's cumsum, so a token at the top-p
+boundary may differ when its mass ties within rounding. No min-p. The step
 counter (int64, one element, on the device) is advanced by the second launch, so every replay of
 a captured graph draws new numbers; nothing is read from the host.
 
@@ -29,10 +35,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from .decode_sample_details._decode_sample import _decode_sample_final_kernel, _decode_sample_partial_kernel
+from .decode_sample_details._decode_sample import (_decode_sample_final_kernel, _decode_sample_partial_kernel,
+                                                   _decode_sample_threshold_kernel)
 
 SAMPLING_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
 BLOCK = 4096
+THRESHOLD_BLOCK = 2048  # the threshold kernel's chunk (one program per row loops over the vocabulary)
 NUM_WARPS = 8
 
 
@@ -40,67 +48,113 @@ def num_blocks(vocab_size: int) -> int:
     return triton.cdiv(vocab_size, BLOCK)
 
 
-def workspace(rows: int, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block partial results for ``rows`` rows (allocate once, outside graph capture)."""
+def workspace(rows: int, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-block partial results and per-row thresholds for ``rows`` rows (allocate once, outside
+    graph capture)."""
     nb = num_blocks(vocab_size)
     return (torch.empty((rows, nb), dtype=torch.float32, device=device),
-            torch.empty((rows, nb), dtype=torch.int32, device=device))
+            torch.empty((rows, nb), dtype=torch.int32, device=device),
+            torch.empty((rows,), dtype=torch.int32, device=device))
 
 
-def _check(logits, temperature, seeds, step, out, ws):
+def _check(logits, temperature, seeds, step, out, ws, top_k, top_p):
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(1) != 1:
         raise ValueError(f"logits: expected a 2-D fp32/bf16/fp16 tensor with unit stride along the vocabulary, got "
                          f"{logits.dtype} {tuple(logits.shape)} stride {logits.stride()}")
     p = logits.shape[0]
-    for name, t, dtypes in (("temperature", temperature, (torch.float32,)), ("seeds", seeds, (torch.int64,)),
-                            ("out", out, (torch.int32, torch.int64))):
+    named = [("temperature", temperature, (torch.float32,)), ("seeds", seeds, (torch.int64,)),
+             ("out", out, (torch.int32, torch.int64))]
+    if (top_k is None) != (top_p is None):
+        raise ValueError("top_k and top_p come together (off rows: top_k 0, top_p 1.0)")
+    if top_k is not None:
+        named += [("top_k", top_k, (torch.int32,)), ("top_p", top_p, (torch.float32,))]
+    for name, t, dtypes in named:
         if t.dtype not in dtypes or t.dim() != 1 or t.shape[0] < p or t.stride(0) != 1:
             raise ValueError(f"{name}: expected a contiguous 1-D {'/'.join(map(str, dtypes))} tensor of >= {p} rows, "
                              f"got {t.dtype} {tuple(t.shape)}")
     if step.dtype != torch.int64 or step.numel() != 1:
         raise ValueError(f"step: expected a one-element int64 tensor, got {step.dtype} {tuple(step.shape)}")
-    vals, idx = ws
+    vals, idx, thr = ws
     nb = num_blocks(logits.shape[1])
     if vals.dtype != torch.float32 or idx.dtype != torch.int32 or vals.shape[0] < p or idx.shape[0] < p \
-            or vals.shape[1] != nb or idx.shape[1] != nb:
-        raise ValueError(f"workspace: expected fp32 and int32 [>= {p}, {nb}] tensors (decode_sample.workspace), got "
-                         f"{vals.dtype} {tuple(vals.shape)} and {idx.dtype} {tuple(idx.shape)}")
-    devices = {t.device for t in (logits, temperature, seeds, step, out, vals, idx)}
+            or vals.shape[1] != nb or idx.shape[1] != nb or thr.dtype != torch.int32 or thr.shape[0] < p:
+        raise ValueError(f"workspace: expected fp32 and int32 [>= {p}, {nb}] tensors and int32 [>= {p}] "
+                         f"(decode_sample.workspace), got {vals.dtype} {tuple(vals.shape)}, {idx.dtype} "
+                         f"{tuple(idx.shape)} and {thr.dtype} {tuple(thr.shape)}")
+    devices = {t.device for t in (logits, temperature, seeds, step, out, vals, idx, thr)
+               + ((top_k, top_p) if top_k is not None else ())}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 def decode_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor,
-                  out: torch.Tensor, ws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  out: torch.Tensor, ws: tuple[torch.Tensor, ...] | None = None,
+                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens of the P = ``logits.shape[0]`` rows into ``out[:P]``; advances ``step`` by one.
-    ``temperature`` fp32, ``seeds`` int64 (rows >= P ignored); ``ws`` from :func:`workspace`
-    (allocated here when None, which a graph capture should avoid)."""
+    ``temperature`` fp32, ``seeds`` int64, ``top_k`` int32 / ``top_p`` fp32 (both or neither;
+    rows >= P ignored); ``ws`` from :func:`workspace` (allocated here when None, which a graph
+    capture should avoid)."""
     if ws is None:
         ws = workspace(logits.shape[0], logits.shape[1], logits.device)
-    _check(logits, temperature, seeds, step, out, ws)
+    _check(logits, temperature, seeds, step, out, ws, top_k, top_p)
     p, v = logits.shape
     nb = num_blocks(v)
-    vals, idx = ws
-    _decode_sample_partial_kernel[(p, nb)](logits, logits.stride(0), temperature, seeds, step, vals, idx, v, nb,
-                                           EPS=SAMPLING_EPS, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    vals, idx, thr = ws
+    if top_k is not None:
+        _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
+                                              EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, num_warps=NUM_WARPS)
+    _decode_sample_partial_kernel[(p, nb)](logits, logits.stride(0), temperature, seeds, step, thr, vals, idx, v, nb,
+                                           EPS=SAMPLING_EPS, BLOCK=BLOCK, HAS_THR=top_k is not None,
+                                           num_warps=NUM_WARPS)
     _decode_sample_final_kernel[(p,)](vals, idx, out, step, nb, NB_P2=triton.next_power_of_2(nb), num_warps=1)
     return out
 
 
 def decode_sample_scores_torch(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                               step: int) -> torch.Tensor:
+                               step: int, top_k: torch.Tensor | None = None,
+                               top_p: torch.Tensor | None = None) -> torch.Tensor:
     """Reference scores [P, V] (fp32): the raw logits on greedy rows, logits / T + Gumbel noise
-    from ``graph.sampler.uniforms`` on the others."""
-    from vllm_sm121.graph.sampler import uniforms
+    from ``graph.sampler.uniforms`` on the others (with top-k / top-p: vLLM's own filter on the
+    scaled logits first, dropped entries -inf)."""
+    from vllm_sm121.graph.sampler import _apply_top_k_top_p, uniforms
 
     p, v = logits.shape
     x = logits.to(torch.float32)
     t = temperature[:p].to(torch.float32)
+    scaled = x / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
+    if top_k is not None:
+        scaled = _apply_top_k_top_p(scaled.clone(), top_k[:p], top_p[:p])
     u = uniforms(seeds[:p].to(torch.int64), torch.full((p,), step, dtype=torch.int64, device=logits.device), v)
-    noisy = x / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None] - torch.log(-torch.log(u))
-    return torch.where((t >= SAMPLING_EPS)[:, None], noisy, x)
+    return torch.where((t >= SAMPLING_EPS)[:, None], scaled - torch.log(-torch.log(u)), x)
 
 
-def decode_sample_torch(logits, temperature, seeds, step: int) -> torch.Tensor:
+def decode_sample_torch(logits, temperature, seeds, step: int, top_k=None, top_p=None) -> torch.Tensor:
     """Reference tokens (int64 [P]): ``argmax`` of :func:`decode_sample_scores_torch`."""
-    return decode_sample_scores_torch(logits, temperature, seeds, step).argmax(dim=-1)
+    return decode_sample_scores_torch(logits, temperature, seeds, step, top_k, top_p).argmax(dim=-1)
+
+
+def kept_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[P, V] bool: the entries vLLM's top-k / top-p filter keeps on the scaled logits (tests)."""
+    from vllm_sm121.graph.sampler import _apply_top_k_top_p
+
+    p = logits.shape[0]
+    t = temperature[:p].to(torch.float32)
+    scaled = logits.to(torch.float32) / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
+    return torch.isfinite(_apply_top_k_top_p(scaled.clone(), top_k[:p], top_p[:p]))
+
+
+def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         ws: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """[P, V] bool: the entries the threshold kernel keeps (runs it into ``ws``; tests)."""
+    p, v = logits.shape
+    _check(logits, temperature, torch.zeros(p, dtype=torch.int64, device=logits.device),
+           torch.zeros(1, dtype=torch.int64, device=logits.device), torch.zeros(p, dtype=torch.int64, device=logits.device),
+           ws, top_k, top_p)
+    thr = ws[2]
+    _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
+                                          EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, num_warps=NUM_WARPS)
+    t = temperature[:p].to(torch.float32)
+    s = logits.to(torch.float32) / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
+    b = (s + 0.0).view(torch.int32)
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return key >= thr[:p, None]

@@ -84,6 +84,64 @@ def test_noise_follows_the_gumbel_law(device):
     assert len(many) == 8 and all(a != b for a, b in many)  # 4096 tokens: a collision is ~1e-3 likely per pair
 
 
+# (temperature, top_k, top_p): off rows, top-k alone, top-p alone, both, greedy with options (ignored)
+FILTER_ROWS = [(1.0, 0, 1.0), (0.8, 5, 1.0), (1.0, 0, 0.9), (0.5, 40, 0.7), (0.0, 5, 0.5), (2.0, 1, 1.0),
+               (1.0, 0, 0.05), (1.0, 3000, 0.999)]
+
+
+def _filter_case(device, v=3000, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(FILTER_ROWS), v, generator=g) * 4).to(device)
+    temperature = torch.tensor([r[0] for r in FILTER_ROWS], dtype=torch.float32, device=device)
+    top_k = torch.tensor([r[1] for r in FILTER_ROWS], dtype=torch.int32, device=device)
+    top_p = torch.tensor([r[2] for r in FILTER_ROWS], dtype=torch.float32, device=device)
+    return logits, temperature, top_k, top_p
+
+
+def test_thresholds_keep_what_vllms_filter_keeps(device):
+    """The threshold kernel's kept set equals vLLM's apply_top_k_top_p on the scaled logits (greedy
+    rows keep everything: their options are ignored, as stock's greedy path does)."""
+    logits, temperature, top_k, top_p = _filter_case(device)
+    ws = ds.workspace(len(FILTER_ROWS), logits.shape[1], device)
+    got = ds.kept(logits, temperature, top_k, top_p, ws).cpu()
+    want = ds.kept_torch(logits.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu())
+    greedy = temperature.cpu() < ds.SAMPLING_EPS
+    assert torch.equal(got[~greedy], want[~greedy]), [(i, int(got[i].sum()), int(want[i].sum()))
+                                                     for i in range(len(FILTER_ROWS))]
+    assert got[greedy].all()
+    counts = got.sum(-1).tolist()
+    assert counts[0] == logits.shape[1] and counts[1] == 5 and counts[5] == 1 and 1 <= counts[6] < 50
+
+
+def test_ties_at_the_top_k_value_are_kept_like_vllm(device):
+    logits = torch.zeros(1, 100, device=device)
+    logits[0, 10:20] = 2.0  # ten tokens tie for the largest value; top-k 3 keeps all ten (vLLM's rule)
+    one = torch.ones(1, device=device)
+    ws = ds.workspace(1, 100, device)
+    got = ds.kept(logits, one, torch.tensor([3], dtype=torch.int32, device=device), one, ws).cpu()
+    assert got[0].sum() == 10 and got[0, 10:20].all()
+    want = ds.kept_torch(logits.cpu(), one.cpu(), torch.tensor([3], dtype=torch.int32), one.cpu())
+    assert torch.equal(got, want)
+
+
+def test_tokens_with_top_k_top_p_match_the_reference(device):
+    logits, temperature, top_k, top_p = _filter_case(device)
+    p = len(FILTER_ROWS)
+    seeds = torch.arange(p, dtype=torch.int64, device=device) * 7919 + 3
+    step = torch.tensor([5], dtype=torch.int64, device=device)
+    out = torch.empty(p, dtype=torch.int64, device=device)
+    ws = ds.workspace(p, logits.shape[1], device)
+    for s in (5, 6):
+        ds.decode_sample(logits, temperature, seeds, step, out, ws, top_k=top_k, top_p=top_p)
+        scores = ds.decode_sample_scores_torch(logits.cpu(), temperature.cpu(), seeds.cpu(), s, top_k.cpu(), top_p.cpu())
+        got = out.cpu()
+        picked = scores.gather(1, got[:, None])[:, 0]
+        assert torch.isfinite(picked).all(), got  # never a token the filter dropped
+        best = scores.max(-1).values
+        assert torch.all(best - picked <= 1e-5 * best.abs().clamp(min=1)), (s, got, scores.argmax(-1))
+    assert out[5].item() == logits[5].cpu().argmax().item()  # top-k 1: the largest
+
+
 def test_bad_inputs_are_named():
     logits = torch.zeros(2, 100)
     t, s, st = torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
@@ -98,3 +156,8 @@ def test_bad_inputs_are_named():
         ds.decode_sample(logits, t, s, st, out, ds.workspace(2, 5000, "cpu"))
     with pytest.raises(ValueError, match="logits"):
         ds.decode_sample(logits.t(), t, s, st, out)
+    with pytest.raises(ValueError, match="come together"):
+        ds.decode_sample(logits, t, s, st, out, top_k=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="top_p"):
+        ds.decode_sample(logits, t, s, st, out, top_k=torch.zeros(2, dtype=torch.int32), top_p=torch.ones(2, dtype=torch.float64))
+

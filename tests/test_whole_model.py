@@ -166,6 +166,10 @@ def _params(**kw):
      {"graph_samples": True}, "top-k / top-p"),
     (dict(all_greedy=False, generators={}, top_k=None, top_p=torch.ones(1)), [{"temperature": 0.8, "top_p": 0.5}],
      {"graph_samples": True}, "top-k / top-p"),
+    (dict(all_greedy=False, generators={}, top_k=torch.ones(1), top_p=torch.ones(1)),
+     [{"temperature": 0.8, "top_k": 5, "top_p": 0.5}], {"graph_samples": 2}, None),
+    (dict(all_greedy=False, generators={0: object()}, top_k=torch.ones(1), top_p=None),
+     [{"temperature": 0.8, "top_k": 5, "seed": 1}], {"graph_samples": 2}, "seeded"),
     (dict(all_greedy=False, generators={}, top_k=None, top_p=None), [{"temperature": 0.8, "min_p": 0.1}],
      {"graph_samples": True}, "min_p"),
     (dict(all_greedy=False, generators={}, top_k=None, top_p=None, max_num_logprobs=1), [{"temperature": 0.8}],
@@ -238,7 +242,7 @@ def test_decode_tail_samples_temperature_rows_in_the_graph():
     from vllm_sm121.kernels import decode_sample as ds
 
     model = _Model(vocab=300)
-    tail = T.DecodeTail(model, max_rows=4, device="cpu", get_context=lambda: _ctx(tokens=3, reqs=3), samples=True)
+    tail = T.DecodeTail(model, max_rows=4, device="cpu", get_context=lambda: _ctx(tokens=3, reqs=3), samples=1)
     tail.temperature[:3] = torch.tensor([0.0, 1.0, 0.5])
     tail.seeds[:3] = torch.tensor([0, 11, 12])
     ids = torch.tensor([3, 7, 11])
@@ -413,6 +417,34 @@ def test_runner_verification_compares_with_stock_on_the_same_logits(monkeypatch)
     assert r._sm121_tail.claimed and r.sm121_graph_stats()["verify"]["steps"] == 0
 
 
+def test_sample_level_names_the_variable():
+    assert [T.sample_level(v) for v in (None, "", "0", "1", "2", " 2 ")] == [0, 0, 0, 1, 2, 2]
+    with pytest.raises(ValueError, match="VLLM_SM121_GRAPH_SAMPLE='yes'"):
+        T.sample_level("yes")
+
+
+def test_decode_tail_samples_top_k_top_p_rows_in_the_graph():
+    """Level 2: rows' top-k / top-p reach the kernel; the drawn token is one vLLM's filter keeps
+    and the reference's best among them."""
+    from vllm_sm121.kernels import decode_sample as ds
+
+    model = _Model(vocab=300)
+    tail = T.DecodeTail(model, max_rows=4, device="cpu", get_context=lambda: _ctx(tokens=3, reqs=3), samples=2)
+    tail.temperature[:3] = torch.tensor([1.0, 1.0, 0.0])
+    tail.seeds[:3] = torch.tensor([5, 6, 7])
+    tail.top_k[:3] = torch.tensor([2, 0, 3], dtype=torch.int32)
+    tail.top_p[:3] = torch.tensor([1.0, 0.3, 0.5])
+    ids = torch.tensor([3, 7, 11])
+    logits = model.compute_logits(model.emb[ids]).float()
+    for step in range(4):
+        tail(ids)
+        scores = ds.decode_sample_scores_torch(logits, tail.temperature, tail.seeds, step, tail.top_k, tail.top_p)
+        got = tail.tokens[:3].long()
+        picked = scores.gather(1, got[:, None])[:, 0]
+        assert torch.isfinite(picked).all() and torch.all(scores.max(-1).values - picked <= 1e-5)
+        assert got[0] in logits[0].topk(2).indices and got[2] == logits[2].argmax()
+
+
 def test_runner_syncs_sampling_rows_only_when_they_change():
     """In-graph sampling: the rows' temperatures / seeds reach the tail's buffers before a taken
     replay, copied only when the rows or temperatures changed; an all-greedy batch needs zeros
@@ -423,7 +455,7 @@ def test_runner_syncs_sampling_rows_only_when_they_change():
     from vllm_sm121.graph import runner as R
 
     r = object.__new__(R.WholeModelRunner)
-    r._sm121_tail = T.DecodeTail(_Model(), max_rows=4, device="cpu", samples=True)
+    r._sm121_tail = T.DecodeTail(_Model(), max_rows=4, device="cpu", samples=1)
     r._sm121_sampling_key = None
     r.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(seed=0))
     copies = []
@@ -432,6 +464,8 @@ def test_runner_syncs_sampling_rows_only_when_they_change():
     def batch(req_ids, temps, greedy):
         r.input_batch = types.SimpleNamespace(req_ids=list(req_ids), num_reqs=len(req_ids),
                                               temperature_cpu=np.array(temps, dtype=np.float32),
+                                              top_k_cpu=np.full(len(req_ids), 7, dtype=np.int32),
+                                              top_p_cpu=np.full(len(req_ids), 0.5, dtype=np.float32),
                                               sampling_metadata=types.SimpleNamespace(all_greedy=greedy))
 
     def counted(self, src, *a, **k):
@@ -459,5 +493,14 @@ def test_runner_syncs_sampling_rows_only_when_they_change():
         batch(["b", "a"], [0.7, 0.0], False)  # rows moved: copied again, each request keeps its seed
         r._sm121_sync_sampling()
         assert len(copies) == 6 and r._sm121_tail.seeds[:2].tolist() == [seeds[1], seeds[0]]
+        # level 2: the rows' top-k / top-p too (two more copies), not for an all-greedy batch
+        r._sm121_tail = T.DecodeTail(_Model(), max_rows=4, device="cpu", samples=2)
+        r._sm121_sampling_key = None
+        r._sm121_sync_sampling()
+        assert len(copies) == 10 and r._sm121_tail.top_k.tolist() == [7, 7, 0, 0]
+        assert r._sm121_tail.top_p.tolist() == pytest.approx([0.5, 0.5, 1.0, 1.0])
+        batch(["c"], [0.0], True)
+        r._sm121_sync_sampling()
+        assert len(copies) == 12  # temperatures and seeds only
     finally:
         torch.Tensor.copy_ = real_copy

@@ -218,16 +218,17 @@ def test_tp2_graph_tokens_equal_stock_tokens_on_the_same_logits(checkpoint):
     assert "temperature > 0" in reasons and "logprobs" in reasons, on["stats"]
 
 
-def test_in_graph_temperature_sampling(checkpoint, monkeypatch):
+@pytest.mark.parametrize("level", ["1", "2"])
+def test_in_graph_temperature_sampling(checkpoint, monkeypatch, level):
     """$VLLM_SM121_GRAPH_SAMPLE=1: the graph samples unseeded temperature-only requests too
-    (kernels/decode_sample.py). With verification on: a mixed batch (2 greedy, 2 temperature-1.0
+    (kernels/decode_sample.py); =2: with top-k 50 / top-p 0.9 as well (the threshold kernel). With verification on: a mixed batch (2 greedy, 2 temperature-1.0
     rows) and an all-temperature batch take the graph's tokens (counted as taken, no "a request
     samples" fallback), greedy rows equal stock's tokens on the same logits, temperature rows are
     counted apart; 4 requests with one prompt at temperature 1.0 give distinct sequences; a
     seeded request still falls back to stock's sampler."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("VLLM_SM121_GRAPH_SAMPLE", "1")
+    monkeypatch.setenv("VLLM_SM121_GRAPH_SAMPLE", level)
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM, SamplingParams
@@ -239,7 +240,8 @@ def test_in_graph_temperature_sampling(checkpoint, monkeypatch):
     try:
         llm.collective_rpc("sm121_graph_verify", args=(True,))
         greedy = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, detokenize=False)
-        hot = SamplingParams(max_tokens=GEN, temperature=1.0, ignore_eos=True, detokenize=False)
+        filt = dict(top_k=50, top_p=0.9) if level == "2" else {}
+        hot = SamplingParams(max_tokens=GEN, temperature=1.0, ignore_eos=True, detokenize=False, **filt)
         prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
         mixed = llm.generate(prompts, [greedy, hot, greedy, hot], use_tqdm=False)
         same = [{"prompt_token_ids": _prompts(1)[0]}] * 4
@@ -251,7 +253,7 @@ def test_in_graph_temperature_sampling(checkpoint, monkeypatch):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\nin-graph sampling stats: {stats}")
+    print(f"\nin-graph sampling (level {level}) stats: {stats}")
     seqs = [list(r.outputs[0].token_ids) for r in hot_out]
     print(f"temperature 1.0, one prompt, 4 requests: {len({tuple(s) for s in seqs})} distinct sequences")
     v, fb = stats["verify"], stats["fallbacks"]

@@ -21,11 +21,92 @@ def _lo32(v):
 
 
 @triton.jit
-def _decode_sample_partial_kernel(logits_ptr, stride_row, temp_ptr, seed_ptr, step_ptr, part_val_ptr, part_idx_ptr,
-                                  V, NB, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _key(s):
+    """fp32 -> int32 in the order of the values (-0.0 folded into +0.0 first, as they compare equal)."""
+    b = (s + 0.0).to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _count_ge(base, t, V, mid, BLOCK: tl.constexpr):
+    """How many entries of logits / t have a key >= mid."""
+    cnt = 0
+    for off in range(0, V, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        m = offs < V
+        x = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+        x = tl.math.div_rn(x, t)  # IEEE division: the same scaled logits as torch's
+        cnt += tl.sum((m & (_key(x).to(tl.int64) >= mid)).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _mass_le(base, t, V, lo_key, mid, top, BLOCK: tl.constexpr):
+    """Sum of exp(s - top) over entries s = logits / t with lo_key <= key(s) <= mid."""
+    acc = 0.0
+    for off in range(0, V, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        m = offs < V
+        x = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+        x = tl.math.div_rn(x, t)  # IEEE division: the same scaled logits as torch's
+        k = _key(x).to(tl.int64)
+        acc += tl.sum(tl.where(m & (k >= lo_key) & (k <= mid), tl.exp(x - top), 0.0), axis=0)
+    return acc
+
+
+@triton.jit
+def _decode_sample_threshold_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, thr_ptr, V,
+                                    EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row): the smallest key a temperature row keeps after top-k then top-p (vLLM's
+    order and rules: top-k keeps every value >= the k-th largest; top-p, on the top-k survivors'
+    softmax, keeps the values whose mass at or below them exceeds 1 - p), by bisection over the
+    32-bit keys of the scaled logits (exact in 32 passes each, no sort). Off rows, greedy rows and
+    rows with neither option get the smallest key (everything kept)."""
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    t = tl.load(temp_ptr + row)
+    k = tl.load(topk_ptr + row)
+    p = tl.load(topp_ptr + row)
+    thr = tl.full([], -2147483648, tl.int64)
+    if t >= EPS:
+        if (k > 0) & (k < V):  # the largest key T with count(key >= T) >= k
+            lo = tl.full([], -2147483648, tl.int64)
+            hi = tl.full([], 2147483647, tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo + 1) // 2
+                if _count_ge(base, t, V, mid, BLOCK) >= k:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            thr = lo
+        if p < 1.0:  # the smallest key T with mass(thr <= key <= T) > (1 - p) * mass(key >= thr)
+            top = float("-inf")
+            for off in range(0, V, BLOCK):
+                offs = off + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                x = tl.math.div_rn(x, t)  # IEEE division: the same scaled logits as torch's
+                top = tl.maximum(top, tl.max(x, axis=0))
+            cut = (1.0 - p) * _mass_le(base, t, V, thr, tl.full([], 2147483647, tl.int64), top, BLOCK)
+            lo = thr
+            hi = tl.full([], 2147483647, tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo) // 2
+                if _mass_le(base, t, V, thr, mid, top, BLOCK) > cut:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            thr = lo
+    tl.store(thr_ptr + row, thr.to(tl.int32))
+
+
+@triton.jit
+def _decode_sample_partial_kernel(logits_ptr, stride_row, temp_ptr, seed_ptr, step_ptr, thr_ptr, part_val_ptr,
+                                  part_idx_ptr, V, NB, EPS: tl.constexpr, BLOCK: tl.constexpr,
+                                  HAS_THR: tl.constexpr):
     """Program (row, block): the best score of BLOCK vocabulary entries and its lowest index.
     Greedy rows (temperature < EPS) score the raw fp32 logit; the others logit / T + Gumbel noise
-    (-log(-log u)), u a pure function of (the row's seed, the step counter, the token index)."""
+    (-log(-log u)), u a pure function of (the row's seed, the step counter, the token index);
+    with HAS_THR, only entries whose key reaches the row's top-k / top-p threshold."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -42,7 +123,11 @@ def _decode_sample_partial_kernel(logits_ptr, stride_row, temp_ptr, seed_ptr, st
         k2 = _mix32(k1 ^ 0x85EBCA6B)
         h = _mix32(_mix32(offs.to(tl.uint32) ^ k1) ^ k2)
         u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        x = tl.where(mask, x / t - tl.log(-tl.log(u)), float("-inf"))
+        s = tl.math.div_rn(x, t)
+        keep = mask
+        if HAS_THR:
+            keep = keep & (_key(s) >= tl.load(thr_ptr + row))
+        x = tl.where(keep, s - tl.log(-tl.log(u)), float("-inf"))
     idx = tl.argmax(x, axis=0, tie_break_left=True)
     best = tl.max(x, axis=0)
     tl.store(part_val_ptr + row * NB + blk, best)

@@ -42,7 +42,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from . import steady
 from .tail import (MAX_ROWS, SAMPLE_ENV, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason,
-                   unsupported_reason)
+                   sample_level, unsupported_reason)
 
 logger = init_logger("vllm.sm121.graph")
 
@@ -102,7 +102,7 @@ class WholeModelRunner(GPUModelRunner):
             raise ValueError(f"{SECTION_OPTION}: {why}")
         rows = min(MAX_ROWS, self.compilation_config.max_cudagraph_capture_size or MAX_ROWS)
         self._sm121_tail = DecodeTail(self.model.unwrap(), rows, self.device,
-                                      samples=os.environ.get(SAMPLE_ENV, "0") == "1")
+                                      samples=sample_level(os.environ.get(SAMPLE_ENV)))
         self._sm121_sampling_key = None  # the rows whose temperatures / seeds the tail's buffers hold
         self._sm121_fallbacks = {}
         self._sm121_taken = 0
@@ -156,7 +156,7 @@ class WholeModelRunner(GPUModelRunner):
             metadata, params, custom_logits_processors=self._sm121_custom_logitsprocs(metadata),
             nans_in_logits=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
             thinking_budget=not getattr(batch, "no_thinking_budget", True),
-            graph_samples=getattr(self._sm121_tail, "samples", False))
+            graph_samples=getattr(self._sm121_tail, "samples", 0))
 
     def _sm121_sync_sampling(self) -> None:
         """Before a replay whose tokens are taken, with in-graph sampling: the rows' temperatures
@@ -169,13 +169,20 @@ class WholeModelRunner(GPUModelRunner):
         n = batch.num_reqs
         temps = np.asarray(batch.temperature_cpu[:n], dtype=np.float32)
         greedy = batch.sampling_metadata.all_greedy
-        key = "greedy" if greedy else (tuple(batch.req_ids[:n]), temps.tobytes())
+        filt = tail.samples >= 2
+        if filt:
+            top_k = np.asarray(batch.top_k_cpu[:n], dtype=np.int32)
+            top_p = np.asarray(batch.top_p_cpu[:n], dtype=np.float32)
+        key = "greedy" if greedy else (tuple(batch.req_ids[:n]), temps.tobytes(),
+                                        (top_k.tobytes(), top_p.tobytes()) if filt else None)
         if key == self._sm121_sampling_key:
             return
         if self.__dict__.get("_sm121_samp_t") is None:
             pin = tail.temperature.device.type == "cuda"  # (CPU tests: no pinned memory without a driver)
             self._sm121_samp_t = torch.zeros((RING, tail.max_rows), dtype=torch.float32, pin_memory=pin)
             self._sm121_samp_s = torch.zeros((RING, tail.max_rows), dtype=torch.int64, pin_memory=pin)
+            self._sm121_samp_k = torch.zeros((RING, tail.max_rows), dtype=torch.int32, pin_memory=pin)
+            self._sm121_samp_p = torch.ones((RING, tail.max_rows), dtype=torch.float32, pin_memory=pin)
             self._sm121_samp_next = 0
         k = self._sm121_samp_next
         self._sm121_samp_next = (k + 1) % RING
@@ -190,6 +197,13 @@ class WholeModelRunner(GPUModelRunner):
                 host_s[i] = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         tail.temperature.copy_(self._sm121_samp_t[k], non_blocking=True)  # stream-ordered: after the last replay
         tail.seeds.copy_(self._sm121_samp_s[k], non_blocking=True)
+        if filt and not greedy:  # greedy rows ignore top-k / top-p: an all-greedy batch leaves them as they are
+            host_k, host_p = self._sm121_samp_k[k].numpy(), self._sm121_samp_p[k].numpy()
+            host_k[:] = 0
+            host_p[:] = 1.0
+            host_k[:n], host_p[:n] = top_k, top_p
+            tail.top_k.copy_(self._sm121_samp_k[k], non_blocking=True)
+            tail.top_p.copy_(self._sm121_samp_p[k], non_blocking=True)
         self._sm121_sampling_key = key
 
     def _sm121_sampled_rows(self, n: int) -> torch.Tensor | None:

@@ -33,8 +33,18 @@ SECTION_OPTION = '--additional-config \'{"sm121": {"cudagraph": "whole_model"}}\
 # Rows (requests) a tail covers: logits are [P, vocab] fp32 temporaries inside the graph
 # (gpt-oss: 0.8 MB per row), so large decode batches keep stock's path.
 MAX_ROWS = 32
-# "1": the graph also samples unseeded temperature-only requests (kernels/decode_sample.py; opt-in)
+# "1": the graph also samples unseeded temperature-only requests (kernels/decode_sample.py; opt-in);
+# "2": and those with top-k / top-p (the threshold kernel; CPU-tested only)
 SAMPLE_ENV = "VLLM_SM121_GRAPH_SAMPLE"
+
+
+def sample_level(value: str | None) -> int:
+    """$VLLM_SM121_GRAPH_SAMPLE as a level: 0 greedy only, 1 + temperature, 2 + top-k / top-p."""
+    v = (value or "0").strip()
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"${SAMPLE_ENV}={value!r}: expected 0 (greedy only in the graph), 1 (+ temperature) "
+                         "or 2 (+ top-k / top-p)")
+    return int(v)
 STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 WORKER = "vllm_sm121.graph.worker.WholeModelWorker"
 
@@ -69,13 +79,13 @@ def covers(ctx: Any, max_rows: int) -> bool:
 
 def ineligible_reason(metadata: Any, params: list[Any], *, custom_logits_processors: bool = False,
                       nans_in_logits: bool = False, thinking_budget: bool = False,
-                      graph_samples: bool = False) -> str | None:
+                      graph_samples: int = 0) -> str | None:
     """Why a batch cannot take the graph's tokens (None: it can). ``metadata``: vLLM's
     ``SamplingMetadata`` of the persistent batch; ``params``: the requests' ``SamplingParams``.
-    Anything that changes the logits or needs them after the step falls back. ``graph_samples``:
-    the graph samples temperature rows too (``$VLLM_SM121_GRAPH_SAMPLE=1``), so unseeded
-    temperature-only requests are taken; seeded ones (stock's generator keeps their tokens
-    reproducible and equal to the mode off), top-k, top-p and min-p fall back."""
+    Anything that changes the logits or needs them after the step falls back. ``graph_samples``
+    (``sample_level``): 1, the graph samples temperature rows too, so unseeded temperature-only
+    requests are taken; 2, with top-k / top-p as well. Seeded requests (stock's generator keeps
+    their tokens reproducible and equal to the mode off) and min-p always fall back."""
     if not params:
         return "empty batch"
     if custom_logits_processors:
@@ -90,8 +100,8 @@ def ineligible_reason(metadata: Any, params: list[Any], *, custom_logits_process
                     f"${SAMPLE_ENV}=1)")
         if metadata.generators:
             return "a seeded request (stock's per-request generator draws its tokens)"
-        if metadata.top_k is not None or metadata.top_p is not None:
-            return "top-k / top-p requested (the graph samples temperature only)"
+        if (metadata.top_k is not None or metadata.top_p is not None) and graph_samples < 2:
+            return f"top-k / top-p requested (the graph samples temperature only unless ${SAMPLE_ENV}=2)"
         if any(getattr(p, "min_p", 0.0) for p in params):
             return "min_p requested (the graph samples temperature only)"
     if metadata.max_num_logprobs is not None or getattr(metadata, "logprob_token_ids", None):
@@ -120,7 +130,7 @@ class DecodeTail:
     graph's tokens for this step (``take``), and the model's lm_head otherwise."""
 
     def __init__(self, model: Any, max_rows: int, device: torch.device | str, get_context=None,
-                 samples: bool = False):
+                 samples: int = 0):
         self.__dict__.update(model=model, max_rows=max_rows, claimed=False, ran=0,
                              tokens=torch.zeros(max_rows, dtype=torch.int32, device=device),
                              _stub=torch.empty((max_rows, 0), dtype=torch.float32, device=device),
@@ -129,6 +139,9 @@ class DecodeTail:
             self.__dict__.update(temperature=torch.zeros(max_rows, dtype=torch.float32, device=device),
                                  seeds=torch.zeros(max_rows, dtype=torch.int64, device=device),
                                  step=torch.zeros(1, dtype=torch.int64, device=device))
+        if samples >= 2:  # top-k (0 = off) and top-p (1.0 = off) per row
+            self.__dict__.update(top_k=torch.zeros(max_rows, dtype=torch.int32, device=device),
+                                 top_p=torch.ones(max_rows, dtype=torch.float32, device=device))
 
     def __getattr__(self, name: str) -> Any:
         model = self.__dict__.get("model")
@@ -150,7 +163,8 @@ class DecodeTail:
 
                 if self._ws is None or self._ws[0].shape[1] != ds.num_blocks(logits.shape[1]):
                     self.__dict__["_ws"] = ds.workspace(self.max_rows, logits.shape[1], logits.device)
-                ds.decode_sample(logits, self.temperature, self.seeds, self.step, self.tokens, self._ws)
+                filt = dict(top_k=self.top_k, top_p=self.top_p) if self.samples >= 2 else {}
+                ds.decode_sample(logits, self.temperature, self.seeds, self.step, self.tokens, self._ws, **filt)
             else:  # stock's greedy path: fp32 logits, Sampler.greedy_sample (argmax, lowest index on ties)
                 self.tokens[: logits.shape[0]].copy_(Sampler.greedy_sample(logits.to(torch.float32)))
             self.__dict__["ran"] += 1  # Python-side count: captures and eager runs, not replays
