@@ -124,6 +124,45 @@ def test_ties_at_the_top_k_value_are_kept_like_vllm(device):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("p", [1e-9, 5e-8, 1e-3])
+def test_a_tiny_top_p_keeps_the_largest(device, p):
+    """vLLM always keeps the largest value; with p below ~1e-7, (1 - p) * mass rounds to the mass."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(1, 5000, generator=g) * 2).to(device)
+    one = torch.ones(1, device=device)
+    ws = ds.workspace(1, 5000, device)
+    got = ds.kept(logits, one, torch.zeros(1, dtype=torch.int32, device=device),
+                  torch.tensor([p], dtype=torch.float32, device=device), ws).cpu()
+    assert got[0].sum() == 1 and got[0, logits[0].cpu().argmax()]
+    out = torch.empty(1, dtype=torch.int64, device=device)
+    ds.decode_sample(logits, one, torch.ones(1, dtype=torch.int64, device=device),
+                     torch.zeros(1, dtype=torch.int64, device=device), out, ws,
+                     top_k=torch.zeros(1, dtype=torch.int32, device=device),
+                     top_p=torch.tensor([p], dtype=torch.float32, device=device))
+    assert out.item() == logits[0].cpu().argmax().item()
+
+
+def test_bf16_ties_at_the_top_p_cut_are_kept_whole(device):
+    """bf16 logits tie often: the kernel keeps every value vLLM keeps, plus, at the top-p cut,
+    the rest of a group of equal values (vLLM's sort keeps part of it); the extra mass is small."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, 6000, generator=g) * 2).to(torch.bfloat16).to(device)
+    one = torch.ones(2, device=device)
+    top_k = torch.zeros(2, dtype=torch.int32, device=device)
+    top_p = torch.tensor([0.9, 0.5], dtype=torch.float32, device=device)
+    got = ds.kept(logits, one, top_k, top_p, ds.workspace(2, 6000, device)).cpu()
+    want = ds.kept_torch(logits.cpu(), one.cpu(), top_k.cpu(), top_p.cpu())
+    assert torch.all(got | ~want), "the kernel dropped a value vLLM keeps"
+    probs = logits.cpu().float().softmax(-1)
+    extra = (probs * (got & ~want)).sum(-1)
+    assert torch.all(extra < 0.01), extra
+    # the extra entries all tie with the smallest value vLLM keeps
+    for r in range(2):
+        if (got[r] & ~want[r]).any():
+            floor = logits[r].cpu()[want[r]].min()
+            assert torch.all(logits[r].cpu()[got[r] & ~want[r]] == floor)
+
+
 def test_tokens_with_top_k_top_p_match_the_reference(device):
     logits, temperature, top_k, top_p = _filter_case(device)
     p = len(FILTER_ROWS)

@@ -504,3 +504,26 @@ def test_runner_syncs_sampling_rows_only_when_they_change():
         assert len(copies) == 12  # temperatures and seeds only
     finally:
         torch.Tensor.copy_ = real_copy
+
+
+def test_verification_counts_sampled_tokens_outside_vllms_filter():
+    """A temperature row's graph token is checked against vLLM's own top-k / top-p filter on the
+    same logits with the row's options: a token it drops is counted (a wrong copy of the options
+    would show there)."""
+    import numpy as np
+
+    from vllm_sm121.graph import runner as R
+
+    r = object.__new__(R.WholeModelRunner)
+    r._sm121_tail = T.DecodeTail(_Model(), max_rows=4, device="cpu", samples=2)
+    r.input_batch = types.SimpleNamespace(req_ids=["a", "b"], num_reqs=2,
+                                          temperature_cpu=np.array([1.0, 1.0], dtype=np.float32),
+                                          top_k_cpu=np.array([2, 10], dtype=np.int32),
+                                          top_p_cpu=np.array([1.0, 1.0], dtype=np.float32),
+                                          sampling_metadata=types.SimpleNamespace(all_greedy=False))
+    logits = torch.arange(20, dtype=torch.float32).reshape(2, 10)
+    r._sm121_checked = {"steps": 0, "rows": 0, "mismatched_rows": 0, "max_logit_gap": 0.0}
+    r._sm121_check(torch.tensor([[9], [0]]), logits, torch.tensor([[1], [2]]))  # inside top-2; top-k off
+    assert r._sm121_checked["sampled_rows"] == 2 and r._sm121_checked["sampled_outside_filter"] == 0
+    r._sm121_check(torch.tensor([[3], [0]]), logits, torch.tensor([[1], [2]]))  # row 0: outside its top-2
+    assert r._sm121_checked["sampled_outside_filter"] == 1 and r._sm121_checked["mismatched_rows"] == 0

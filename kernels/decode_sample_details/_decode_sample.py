@@ -28,14 +28,19 @@ def _key(s):
 
 
 @triton.jit
+def _scaled(base, off, t, V, other, BLOCK: tl.constexpr):
+    """BLOCK scaled logits from ``off`` (IEEE division: torch's values) and their mask."""
+    offs = off + tl.arange(0, BLOCK)
+    m = offs < V
+    return tl.math.div_rn(tl.load(base + offs, mask=m, other=other).to(tl.float32), t), m
+
+
+@triton.jit
 def _count_ge(base, t, V, mid, BLOCK: tl.constexpr):
     """How many entries of logits / t have a key >= mid."""
     cnt = 0
     for off in range(0, V, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        m = offs < V
-        x = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
-        x = tl.math.div_rn(x, t)  # IEEE division: the same scaled logits as torch's
+        x, m = _scaled(base, off, t, V, 0.0, BLOCK)
         cnt += tl.sum((m & (_key(x).to(tl.int64) >= mid)).to(tl.int32), axis=0)
     return cnt
 
@@ -45,10 +50,7 @@ def _mass_le(base, t, V, lo_key, mid, top, BLOCK: tl.constexpr):
     """Sum of exp(s - top) over entries s = logits / t with lo_key <= key(s) <= mid."""
     acc = 0.0
     for off in range(0, V, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        m = offs < V
-        x = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
-        x = tl.math.div_rn(x, t)  # IEEE division: the same scaled logits as torch's
+        x, m = _scaled(base, off, t, V, 0.0, BLOCK)
         k = _key(x).to(tl.int64)
         acc += tl.sum(tl.where(m & (k >= lo_key) & (k <= mid), tl.exp(x - top), 0.0), axis=0)
     return acc
@@ -82,9 +84,7 @@ def _decode_sample_threshold_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, 
         if p < 1.0:  # the smallest key T with mass(thr <= key <= T) > (1 - p) * mass(key >= thr)
             top = float("-inf")
             for off in range(0, V, BLOCK):
-                offs = off + tl.arange(0, BLOCK)
-                x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                x = tl.math.div_rn(x, t)  # IEEE division: the same scaled logits as torch's
+                x, m = _scaled(base, off, t, V, float("-inf"), BLOCK)
                 top = tl.maximum(top, tl.max(x, axis=0))
             cut = (1.0 - p) * _mass_le(base, t, V, thr, tl.full([], 2147483647, tl.int64), top, BLOCK)
             lo = thr
@@ -95,7 +95,9 @@ def _decode_sample_threshold_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, 
                     hi = mid
                 else:
                     lo = mid + 1
-            thr = lo
+            # the largest value stays (vLLM's rule), also when (1 - p) * mass rounds up to the whole
+            # mass (p below ~1e-7): then no key qualifies and lo ends past every key
+            thr = tl.minimum(lo, _key(top).to(tl.int64))
     tl.store(thr_ptr + row, thr.to(tl.int32))
 
 

@@ -242,8 +242,8 @@ class WholeModelRunner(GPUModelRunner):
             self._sm121_take = False
             self._sm121_taken += 1
             tokens = self._sm121_tail.sampled(self.input_batch.num_reqs)
-            if self._sm121_verify:
-                self._sm121_check(tokens, logits, super()._sample(logits, None).sampled_token_ids)
+            if self._sm121_verify:  # stock's sampler edits the logits in place: it gets a copy
+                self._sm121_check(tokens, logits, super()._sample(logits.clone(), None).sampled_token_ids)
             else:
                 self.input_batch.update_async_output_token_ids()  # stock's side effect, kept
             return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
@@ -343,7 +343,7 @@ class WholeModelRunner(GPUModelRunner):
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Stock
 
             logits = self.model.compute_logits(entry.output[:n])
-            self._sm121_check(tail.tokens[:n, None], logits, Stock._sample(self, logits, None).sampled_token_ids)
+            self._sm121_check(tail.tokens[:n, None], logits, Stock._sample(self, logits.clone(), None).sampled_token_ids)
         self._sm121_pending = (n, host, event)
         self._sm121_steady["fast"] += 1
         self._sm121_steady["staged"] += int(new_blocks)
@@ -471,6 +471,8 @@ class WholeModelRunner(GPUModelRunner):
         if sampled is not None:
             diff = diff & ~sampled.to(diff.device)
             c["sampled_rows"] = c.get("sampled_rows", 0) + int(sampled.sum())
+            c["sampled_outside_filter"] = c.get("sampled_outside_filter", 0) + self._sm121_outside_filter(
+                graph, logits, sampled)
         c["steps"] += 1
         c["rows"] += int(diff.numel()) - int(sampled.sum() if sampled is not None else 0)
         bad = int(diff.sum().item())
@@ -479,6 +481,23 @@ class WholeModelRunner(GPUModelRunner):
             gap = (lf.gather(1, stock.long()) - lf.gather(1, graph.long())).view(-1)[diff].abs().max().item()
             c["mismatched_rows"] += bad
             c["max_logit_gap"] = max(c["max_logit_gap"], gap)
+
+    def _sm121_outside_filter(self, graph, logits, sampled) -> int:
+        """Verification of temperature rows: how many graph tokens vLLM's own top-k / top-p filter
+        (on these logits, the rows' options) would have dropped. 0 but for the kernel's documented
+        boundary difference (ties at the top-p cut); a wrong copy of the options shows here."""
+        from .sampler import _apply_top_k_top_p
+
+        batch, n = self.input_batch, sampled.numel()
+        x = logits[:n].to(torch.float32)
+        dev = x.device
+        t = torch.from_numpy(np.asarray(batch.temperature_cpu[:n], dtype=np.float32)).to(dev)
+        scaled = x / torch.where(t >= 1e-5, t, torch.ones_like(t))[:, None]
+        k = torch.from_numpy(np.asarray(batch.top_k_cpu[:n], dtype=np.int32)).to(dev)
+        p = torch.from_numpy(np.asarray(batch.top_p_cpu[:n], dtype=np.float32)).to(dev)
+        kept = torch.isfinite(_apply_top_k_top_p(scaled, k, p))
+        inside = kept.gather(1, graph.reshape(-1)[:n].to(device=dev, dtype=torch.int64)[:, None])[:, 0]
+        return int((~inside & sampled.to(dev)).sum())
 
     def sm121_graph_verify(self, on: bool = True) -> None:
         """Turn verification on or off (module docstring); resets its counters."""
