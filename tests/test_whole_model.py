@@ -527,3 +527,34 @@ def test_verification_counts_sampled_tokens_outside_vllms_filter():
     assert r._sm121_checked["sampled_rows"] == 2 and r._sm121_checked["sampled_outside_filter"] == 0
     r._sm121_check(torch.tensor([[3], [0]]), logits, torch.tensor([[1], [2]]))  # row 0: outside its top-2
     assert r._sm121_checked["sampled_outside_filter"] == 1 and r._sm121_checked["mismatched_rows"] == 0
+
+
+def test_a_taken_stage_a_step_copies_the_sampling_rows_before_the_replay(monkeypatch):
+    """_model_forward: when a covered batch takes the graph's tokens with in-graph sampling on,
+    the rows' temperatures reach the tail's buffer before stock's forward (the replay) runs; a
+    batch that falls back copies nothing."""
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_sm121.graph import runner as R
+
+    r = object.__new__(R.WholeModelRunner)
+    r._sm121_tail = T.DecodeTail(_Model(), max_rows=4, device="cpu", samples=1)
+    r._sm121_sampling_key, r._sm121_verify, r._sm121_fallbacks = None, False, {}
+    r.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(seed=0))
+    r.input_batch = types.SimpleNamespace(req_ids=["a", "b"], num_reqs=2,
+                                          temperature_cpu=np.array([0.0, 0.9], dtype=np.float32),
+                                          sampling_metadata=types.SimpleNamespace(all_greedy=False))
+    seen = []
+    monkeypatch.setattr(R, "current_context", lambda: _ctx(tokens=2, reqs=2))
+    monkeypatch.setattr(GPUModelRunner, "_model_forward",
+                        lambda self, *a, **k: seen.append(self._sm121_tail.temperature[:2].tolist()))
+    reason = {"why": None}
+    monkeypatch.setattr(R.WholeModelRunner, "_sm121_reason", lambda self: reason["why"])
+    r._model_forward()
+    assert seen == [pytest.approx([0.0, 0.9])] and r._sm121_take
+    r._sm121_tail.temperature.zero_()
+    r._sm121_sampling_key = None
+    reason["why"] = "logprobs requested"
+    r._model_forward()
+    assert seen[-1] == [0.0, 0.0] and not r._sm121_take and r._sm121_fallbacks == {"logprobs requested": 1}
