@@ -301,7 +301,7 @@ def graph_specs(family: str) -> list[Spec]:
                                   thr_ptr="*i32", part_val_ptr="*fp32", part_idx_ptr="*i32"),
                    num_warps=DS.NUM_WARPS) for thr in (False, True)],
             Spec(name="decode_sample[top-k/top-p thresholds]", fn=_decode_sample_threshold_kernel,
-                 constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.THRESHOLD_BLOCK),
+                 constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.THRESHOLD_BLOCK, FAN=DS.THRESHOLD_FAN),
                  ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32",
                                 thr_ptr="*i32"),
                  num_warps=DS.NUM_WARPS),

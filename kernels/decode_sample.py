@@ -14,8 +14,8 @@ graph-capturable pair of launches.
   runner leaves seeded requests to stock's sampler.
 
 With ``top_k`` / ``top_p`` (per row; off = 0 or >= V / 1.0), a third launch first finds each
-temperature row's threshold (``_decode_sample_threshold_kernel``: one program per row, bisection
-over the 32-bit keys of the scaled logits, 32 passes for top-k and 32 for top-p, no sort) and the
+temperature row's threshold (``_decode_sample_threshold_kernel``: one program per row, a 16-ary
+search over the 32-bit keys of the scaled logits, 8 passes for top-k and 10 for top-p, no sort) and the
 race runs over the entries at or above it: vLLM's rules (top-k keeps every value >= the k-th
 largest, ties included; top-p on the top-k survivors' softmax keeps the values whose mass at or
 below them exceeds 1 - p, and always the largest). Two differences at the top-p boundary: sums run
@@ -43,7 +43,8 @@ from .decode_sample_details._decode_sample import (_decode_sample_final_kernel, 
 
 SAMPLING_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
 BLOCK = 4096
-THRESHOLD_BLOCK = 2048  # the threshold kernel's chunk (one program per row loops over the vocabulary)
+THRESHOLD_BLOCK = 512  # the threshold kernel's chunk (one program per row loops over the vocabulary)
+THRESHOLD_FAN = 16  # pivots per pass: [THRESHOLD_BLOCK, FAN] compares in registers
 NUM_WARPS = 8
 
 
@@ -105,7 +106,8 @@ def decode_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     vals, idx, thr = ws
     if top_k is not None:
         _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
-                                              EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, num_warps=NUM_WARPS)
+                                              EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, FAN=THRESHOLD_FAN,
+                                              num_warps=NUM_WARPS)
     _decode_sample_partial_kernel[(p, nb)](logits, logits.stride(0), temperature, seeds, step, thr, vals, idx, v, nb,
                                            EPS=SAMPLING_EPS, BLOCK=BLOCK, HAS_THR=top_k is not None,
                                            num_warps=NUM_WARPS)
@@ -155,7 +157,8 @@ def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
            ws, top_k, top_p)
     thr = ws[2]
     _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
-                                          EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, num_warps=NUM_WARPS)
+                                          EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, FAN=THRESHOLD_FAN,
+                                              num_warps=NUM_WARPS)
     t = temperature[:p].to(torch.float32)
     s = logits.to(torch.float32) / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
     b = (s + 0.0).view(torch.int32)
