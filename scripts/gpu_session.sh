@@ -94,6 +94,7 @@ for step in "$@"; do
             wm_test ;;
     wmsample) python3 -m pytest -q -m "gpu or interpreter" tests/test_decode_sample.py -p no:cacheprovider 2>&1 | tail -n 3 | tee "$OUT/decode_sample.log"
               wm_test "temperature_sampling" ;;  # in-graph sampling: the kernel tests, then the engine tests (levels 1 and 2)
+    samplebench) python3 benchmarks/sample.py --out "$OUT/sample.json" 2>&1 | tee "$OUT/samplebench.log" | tail -n 20 ;;
     wmtp) wm_test tp2 ;;  # the TP=2 case alone (2 GPUs)
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;

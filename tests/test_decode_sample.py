@@ -200,3 +200,20 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="top_p"):
         ds.decode_sample(logits, t, s, st, out, top_k=torch.zeros(2, dtype=torch.int32), top_p=torch.ones(2, dtype=torch.float64))
 
+
+
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/sample.py --dry-run: the sm121 provider on a tiny vocabulary under the
+    interpreter, JSON written (the GPU run times it against stock's ops)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "sample.json"
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "sample.py"), "--dry-run", "--rows", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    recs = json.loads(out.read_text())["records"]
+    assert {x["case"] for x in recs} == {"greedy", "temperature", "topk_topp"}
