@@ -115,6 +115,12 @@ def decode_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     return out
 
 
+def _scaled_torch(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """fp32 logits / T per row (T = 1 on greedy rows), as stock's ``apply_temperature`` scales them."""
+    t = temperature[: logits.shape[0]].to(device=logits.device, dtype=torch.float32)
+    return logits.to(torch.float32) / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
+
+
 def decode_sample_scores_torch(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                                step: int, top_k: torch.Tensor | None = None,
                                top_p: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,9 +132,9 @@ def decode_sample_scores_torch(logits: torch.Tensor, temperature: torch.Tensor, 
     p, v = logits.shape
     x = logits.to(torch.float32)
     t = temperature[:p].to(torch.float32)
-    scaled = x / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
+    scaled = _scaled_torch(logits, temperature)
     if top_k is not None:
-        scaled = _apply_top_k_top_p(scaled.clone(), top_k[:p], top_p[:p])
+        scaled = _apply_top_k_top_p(scaled, top_k[:p], top_p[:p])  # a fresh tensor: edited in place
     u = uniforms(seeds[:p].to(torch.int64), torch.full((p,), step, dtype=torch.int64, device=logits.device), v)
     return torch.where((t >= SAMPLING_EPS)[:, None], scaled - torch.log(-torch.log(u)), x)
 
@@ -143,9 +149,8 @@ def kept_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     from vllm_sm121.graph.sampler import _apply_top_k_top_p
 
     p = logits.shape[0]
-    t = temperature[:p].to(torch.float32)
-    scaled = logits.to(torch.float32) / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
-    return torch.isfinite(_apply_top_k_top_p(scaled.clone(), top_k[:p], top_p[:p]))
+    scaled = _scaled_torch(logits, temperature)
+    return torch.isfinite(_apply_top_k_top_p(scaled, top_k[:p].to(scaled.device), top_p[:p].to(scaled.device)))
 
 
 def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -158,9 +163,7 @@ def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     thr = ws[2]
     _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
                                           EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, FAN=THRESHOLD_FAN,
-                                              num_warps=NUM_WARPS)
-    t = temperature[:p].to(torch.float32)
-    s = logits.to(torch.float32) / torch.where(t >= SAMPLING_EPS, t, torch.ones_like(t))[:, None]
-    b = (s + 0.0).view(torch.int32)
+                                          num_warps=NUM_WARPS)
+    b = (_scaled_torch(logits, temperature) + 0.0).view(torch.int32)
     key = b ^ ((b >> 31) & 0x7FFFFFFF)
     return key >= thr[:p, None]

@@ -37,8 +37,12 @@ from vllm import envs
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.model_executor.offloader.base import get_offloader
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SamplerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_sm121.kernels import decode_sample
+from vllm_sm121.kernels.decode_inputs import advance_decode_inputs
 
 from . import steady
 from .tail import (MAX_ROWS, SAMPLE_ENV, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason,
@@ -167,16 +171,20 @@ class WholeModelRunner(GPUModelRunner):
         if not tail.samples:
             return
         n = batch.num_reqs
-        temps = np.asarray(batch.temperature_cpu[:n], dtype=np.float32)
         greedy = batch.sampling_metadata.all_greedy
-        filt = tail.samples >= 2
-        if filt:
-            top_k = np.asarray(batch.top_k_cpu[:n], dtype=np.int32)
-            top_p = np.asarray(batch.top_p_cpu[:n], dtype=np.float32)
-        key = "greedy" if greedy else (tuple(batch.req_ids[:n]), temps.tobytes(),
-                                        (top_k.tobytes(), top_p.tobytes()) if filt else None)
-        if key == self._sm121_sampling_key:
-            return
+        filt = tail.samples >= 2 and not greedy  # greedy rows ignore top-k / top-p
+        if greedy:
+            if self._sm121_sampling_key == "greedy":
+                return
+            key = "greedy"
+        else:
+            temps = np.asarray(batch.temperature_cpu[:n], dtype=np.float32)
+            if filt:
+                top_k = np.asarray(batch.top_k_cpu[:n], dtype=np.int32)
+                top_p = np.asarray(batch.top_p_cpu[:n], dtype=np.float32)
+            key = (tuple(batch.req_ids[:n]), temps.tobytes(), (top_k.tobytes(), top_p.tobytes()) if filt else None)
+            if key == self._sm121_sampling_key:
+                return
         if self.__dict__.get("_sm121_samp_t") is None:
             pin = tail.temperature.device.type == "cuda"  # (CPU tests: no pinned memory without a driver)
             self._sm121_samp_t = torch.zeros((RING, tail.max_rows), dtype=torch.float32, pin_memory=pin)
@@ -197,7 +205,7 @@ class WholeModelRunner(GPUModelRunner):
                 host_s[i] = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         tail.temperature.copy_(self._sm121_samp_t[k], non_blocking=True)  # stream-ordered: after the last replay
         tail.seeds.copy_(self._sm121_samp_s[k], non_blocking=True)
-        if filt and not greedy:  # greedy rows ignore top-k / top-p: an all-greedy batch leaves them as they are
+        if filt:  # an all-greedy batch leaves top-k / top-p as they are
             host_k, host_p = self._sm121_samp_k[k].numpy(), self._sm121_samp_p[k].numpy()
             host_k[:] = 0
             host_p[:] = 1.0
@@ -210,7 +218,7 @@ class WholeModelRunner(GPUModelRunner):
         """Rows [n] bool that the graph sampled at a temperature (None: none): verification skips them."""
         if not self._sm121_tail.samples or self.input_batch.sampling_metadata.all_greedy:
             return None
-        return torch.from_numpy(np.asarray(self.input_batch.temperature_cpu[:n]) >= 1e-5)
+        return torch.from_numpy(np.asarray(self.input_batch.temperature_cpu[:n]) >= decode_sample.SAMPLING_EPS)
 
     def _model_forward(self, *args, **kwargs):
         tail = self._sm121_tail
@@ -284,23 +292,21 @@ class WholeModelRunner(GPUModelRunner):
         if self._sm121_static:
             return None
         why, new_blocks = steady.continuation_reason(so, self.input_batch, self.requests, chain[0])
-        sampled = False
+        stock_sampling = None  # why stock's sampler draws this steady step's tokens (after the replay)
         if why is None:
-            why = self._sm121_reason()
-            if why is not None and self._sm121_fast_sampled:
-                sampled = why
-                why = None
+            stock_sampling = self._sm121_reason()
+            if stock_sampling is not None and not self._sm121_fast_sampled:
+                why, stock_sampling = stock_sampling, None
         entry = self.model.concrete_cudagraph_entries.get(chain[1])
         if why is None and (entry is None or entry.cudagraph is None):
             why = "no captured graph for this batch"
-        if why is None and sampled:
-            self._sm121_note_fallback(sampled)  # stock's sampler draws this step's tokens
-            sampled = True
         if why is not None:
             stock = self._sm121_steady["stock"]
             stock[why] = stock.get(why, 0) + 1
             return None
-        return entry, new_blocks, sampled
+        if stock_sampling is not None:
+            self._sm121_note_fallback(stock_sampling)
+        return entry, new_blocks, stock_sampling is not None
 
     def _sm121_steady_step(self, so, entry, new_blocks: bool, sampled: bool = False):
         tail, batch, bd = self._sm121_tail, self.input_batch, self._sm121_chain[1]
@@ -325,8 +331,6 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_advance(prev[:, 0], n, rows, patches)
         if self._sm121_verify:
             self._sm121_check_inputs(n, prev)
-        from vllm.model_executor.offloader.base import get_offloader
-
         get_offloader().sync_prev_onload()  # as CUDAGraphWrapper does before a replay
         if not sampled:
             self._sm121_sync_sampling()
@@ -391,8 +395,6 @@ class WholeModelRunner(GPUModelRunner):
 
     def _sm121_advance(self, tokens, n: int, rows: int, patches=None) -> None:
         """The steady inputs of ``rows`` (P) rows, ``n`` live, in one launch (kernels/decode_inputs.py)."""
-        from vllm_sm121.kernels.decode_inputs import advance_decode_inputs
-
         groups = [(bt.block_table.gpu, bt.slot_mapping.gpu, bt.block_size)
                   for bt in self.input_batch.block_table.block_tables]
         buf, m = patches if patches is not None else (None, 0)
@@ -468,13 +470,14 @@ class WholeModelRunner(GPUModelRunner):
         c = self._sm121_checked
         diff = (graph != stock).view(-1)
         sampled = self._sm121_sampled_rows(diff.numel())
-        if sampled is not None:
+        n_sampled = int(sampled.sum()) if sampled is not None else 0
+        if n_sampled:
             diff = diff & ~sampled.to(diff.device)
-            c["sampled_rows"] = c.get("sampled_rows", 0) + int(sampled.sum())
+            c["sampled_rows"] = c.get("sampled_rows", 0) + n_sampled
             c["sampled_outside_filter"] = c.get("sampled_outside_filter", 0) + self._sm121_outside_filter(
                 graph, logits, sampled)
         c["steps"] += 1
-        c["rows"] += int(diff.numel()) - int(sampled.sum() if sampled is not None else 0)
+        c["rows"] += int(diff.numel()) - n_sampled
         bad = int(diff.sum().item())
         if bad:
             lf = logits.to(torch.float32)
@@ -486,16 +489,11 @@ class WholeModelRunner(GPUModelRunner):
         """Verification of temperature rows: how many graph tokens vLLM's own top-k / top-p filter
         (on these logits, the rows' options) would have dropped. 0 but for the kernel's documented
         boundary difference (ties at the top-p cut); a wrong copy of the options shows here."""
-        from .sampler import _apply_top_k_top_p
-
         batch, n = self.input_batch, sampled.numel()
-        x = logits[:n].to(torch.float32)
-        dev = x.device
-        t = torch.from_numpy(np.asarray(batch.temperature_cpu[:n], dtype=np.float32)).to(dev)
-        scaled = x / torch.where(t >= 1e-5, t, torch.ones_like(t))[:, None]
-        k = torch.from_numpy(np.asarray(batch.top_k_cpu[:n], dtype=np.int32)).to(dev)
-        p = torch.from_numpy(np.asarray(batch.top_p_cpu[:n], dtype=np.float32)).to(dev)
-        kept = torch.isfinite(_apply_top_k_top_p(scaled, k, p))
+        dev = logits.device
+        option = lambda a, dtype: torch.from_numpy(np.asarray(a[:n], dtype=dtype))  # noqa: E731
+        kept = decode_sample.kept_torch(logits[:n], option(batch.temperature_cpu, np.float32),
+                                        option(batch.top_k_cpu, np.int32), option(batch.top_p_cpu, np.float32))
         inside = kept.gather(1, graph.reshape(-1)[:n].to(device=dev, dtype=torch.int64)[:, None])[:, 0]
         return int((~inside & sampled.to(dev)).sum())
 

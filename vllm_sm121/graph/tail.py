@@ -36,6 +36,8 @@ MAX_ROWS = 32
 # "1": the graph also samples unseeded temperature-only requests (kernels/decode_sample.py; opt-in);
 # "2": and those with top-k / top-p (the threshold kernel; CPU-tested only)
 SAMPLE_ENV = "VLLM_SM121_GRAPH_SAMPLE"
+STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+WORKER = "vllm_sm121.graph.worker.WholeModelWorker"
 
 
 def sample_level(value: str | None) -> int:
@@ -45,8 +47,6 @@ def sample_level(value: str | None) -> int:
         raise ValueError(f"${SAMPLE_ENV}={value!r}: expected 0 (greedy only in the graph), 1 (+ temperature) "
                          "or 2 (+ top-k / top-p)")
     return int(v)
-STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
-WORKER = "vllm_sm121.graph.worker.WholeModelWorker"
 
 
 def _full_mode():
