@@ -201,6 +201,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all", {**SM121, "kv_cache_dtype": "nvfp4",
                          "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode, stages A + B (the MoE stays vLLM's)", **OFF),
+    Config("sm121-all-moe", {**SM121, "kv_cache_dtype": "nvfp4",
+                             "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

@@ -217,13 +217,13 @@ def moe_specs(family: str) -> list[Spec]:
         specs.append(Spec(
             name=f"moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M{nt}]", fn=_moe_fc1_swiglu_fma_kernel,
             constexprs=dict(common, K=2880, I=2880, BLOCK_R=fma.fc1_rows, BLOCK_G=fma.fc1_kb // 16,
-                            PREFETCH=fma.num_stages > 1, ALPHA=1.702, LIMIT=7.0, HW_FP8=True),
+                            PREFETCH=fma.num_stages > 1, F16X2=True, ALPHA=1.702, LIMIT=7.0, HW_FP8=True),
             ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"),
             num_warps=fma.num_warps))
         specs.append(Spec(
             name=f"moe_fc2_fma[gpt-oss H2880 I2880 top4, M{nt}]", fn=_moe_fc2_fma_kernel,
             constexprs=dict(common, H=2880, I=2880, BLOCK_R=fma.fc2_rows, BLOCK_G=fma.fc2_kb // 16,
-                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1),
+                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True),
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1

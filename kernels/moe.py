@@ -254,6 +254,17 @@ def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
     return FmaTiles.parse(env) if env else FMA_TILES[(_platform.family_of(t), 1 if m <= 1 else 2)]
 
 
+# The FMA GEMVs' products: on a GPU, packed fp16 (``_moe_fma.py``: ~2.6 instructions per weight
+# value instead of ~5.2; each word's 8-term sum rounded to fp16 once); the interpreter (which
+# cannot run inline PTX) and VLLM_SM121_MOE_FMA_F16X2=0 (read at call time, A/B runs) take the
+# exact fp32 integer decode.
+FMA_F16X2_ENV = "VLLM_SM121_MOE_FMA_F16X2"
+
+
+def fma_f16x2(t: torch.Tensor) -> bool:
+    return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(FMA_F16X2_ENV, 1) != 0
+
+
 def _check_fma_tokens(m: int) -> None:
     if m > FMA_KERNEL_MAX_TOKENS:
         raise ValueError(f"the FMA decode kernels take at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
@@ -281,8 +292,8 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             out_scale, m, E=e, K=k, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
             BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=min(tiles.fc1_kb // 16, triton.next_power_of_2(k // 32)),
-            PREFETCH=tiles.num_stages > 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"],
-            num_warps=tiles.num_warps, num_stages=1)
+            PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
+            HW_FP8=_gpu_flags(a)["HW_FP8"], num_warps=tiles.num_warps, num_stages=1)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -313,7 +324,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             h.view(torch.uint8).view(torch.int32), h_scale, w2.view(torch.int32), w2_scale, bias, topk_ids,
             topk_weights, part, m, E=e, H=hidden, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
             BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1,
-            num_warps=warps, num_stages=1)
+            F16X2=fma_f16x2(h), num_warps=warps, num_stages=1)
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,

@@ -65,6 +65,52 @@ def _e4m3_byte(x, J: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_pairs_f16(w):
+    """int32 words of 8 e2m1 nibbles (n0 lowest) -> four fp16x2 words (as int32) holding the
+    nibble pairs (n0, n2), (n4, n6), (n1, n3), (n5, n7) (low half first) as e2m1 * 2**-14, exact
+    (code 1 is an fp16 denormal). Such an fp16 has one non-zero byte, its high one: the sign in
+    bit 7, the 3 magnitude bits in bits 3..1. Those bytes are built for 4 nibbles at a time
+    (even nibbles: ``(w << 1) & 0x0E0E0E0E | (w << 4) & 0x80808080``; odd ones: ``(w >> 3) &
+    0x0E0E0E0E | w & 0x80808080``) and one ``prmt`` per pair moves two of them into the high bytes
+    of an fp16x2 word (zero low bytes): 11 instructions per 8 values. Inline PTX (sm_90+ and
+    sm_12x alike; the interpreter cannot run it)."""
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b32 a, b, e, o;
+        shl.b32 a, $4, 1; shl.b32 b, $4, 4; and.b32 a, a, 0x0E0E0E0E; and.b32 b, b, 0x80808080; or.b32 e, a, b;
+        shr.b32 a, $4, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $4, 0x80808080; or.b32 o, a, b;
+        prmt.b32 $0, e, 0, 0x1404; prmt.b32 $1, e, 0, 0x3424; prmt.b32 $2, o, 0, 0x1404; prmt.b32 $3, o, 0, 0x3424; }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def _e4m3_pairs_f16(lo, hi):
+    """int32 words of e4m3 bytes v0..v3 (lo) and v4..v7 (hi) -> four fp16x2 words (as int32)
+    (v0, v2), (v4, v6), (v1, v3), (v5, v7) (``_e2m1_pairs_f16``'s order), exact: two ``prmt`` +
+    four ``cvt.rn.f16x2.e4m3x2`` (sm_89+; NaN codes stay NaN, the quantizer never writes them)."""
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b32 t; .reg .b16 x, y;
+        prmt.b32 t, $4, $5, 0x3120; mov.b32 {x, y}, t; cvt.rn.f16x2.e4m3x2 $0, x; cvt.rn.f16x2.e4m3x2 $2, y;
+        prmt.b32 t, $4, $5, 0x7564; mov.b32 {x, y}, t; cvt.rn.f16x2.e4m3x2 $1, x; cvt.rn.f16x2.e4m3x2 $3, y; }""",
+        constraints="=r,=r,=r,=r,r,r", args=[lo, hi], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _dot8_f16(p0, p1, p2, p3, a0, a1, a2, a3):
+    """One weight word's 8 products with its activations: four fp16x2 multiply-adds (each
+    product is exact: 2 x 4 significant bits), the two halves added in fp16, -> fp32 in units of
+    2**-14 (|sum| <= 8 * 6 * 448 * 2**-14 < 1.4: no overflow; the rounding is ~2**-11 of the
+    word's 8-term sum)."""
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b32 s; .reg .b16 x, y;
+        mul.rn.f16x2 s, $1, $5; fma.rn.f16x2 s, $2, $6, s; fma.rn.f16x2 s, $3, $7, s; fma.rn.f16x2 s, $4, $8, s;
+        mov.b32 {x, y}, s; add.rn.f16 x, x, y; cvt.f32.f16 $0, x; }""",
+        constraints="=f,r,r,r,r,r,r,r,r", args=[p0, p1, p2, p3, a0, a1, a2, a3], dtype=tl.float32,
+        is_pure=True, pack=1)
+
+
+@triton.jit
 def _user(uses, slot, offs_t, U: tl.constexpr):
     """The U-th token (in token order) routed to the program's expert, as scalars: (exists,
     token, its first slot there). User 0 always exists (the program's own slot routes there)."""
@@ -74,32 +120,39 @@ def _user(uses, slot, offs_t, U: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(w, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c, c_ok, offs_g, g_ok,
+               K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, F16X2: tl.constexpr):
     """One token's contribution of a weight tile: [BLOCK_R, BLOCK_G] fp32 (true values).
 
-    w: [BLOCK_R, 4 * BLOCK_G] int32 words (8 e2m1 each; 4 words = one 32-value group),
+    w: [BLOCK_R, 4 * BLOCK_G] int32 words (8 e2m1 each; 4 words = one 32-value group), or with
+    F16X2 its fp16x2 nibble pairs p0..p3 (``_e2m1_pairs_f16``, decoded once for every token);
     w_exp: [BLOCK_R, BLOCK_G] int32 weight scale exponents; the token's activations are row
     ``row`` of int32 e4m3 words [*, K/4] (2 per weight word) and e8m0 scales [*, K/32].
     """
     a_words = act_ptr + row * (K // 4) + (g0 * 4 + offs_c) * 2
     lo = tl.load(a_words, mask=c_ok, other=0)  # values 8c .. 8c+3 of weight word c
     hi = tl.load(a_words + 1, mask=c_ok, other=0)  # values 8c+4 .. 8c+7
-    s = _e2m1_nibble(w, 0) * _e4m3_byte(lo, 0)[None, :]
-    for j in tl.static_range(1, 4):
-        s += _e2m1_nibble(w, j) * _e4m3_byte(lo, j)[None, :]
-    for j in tl.static_range(4):
-        s += _e2m1_nibble(w, 4 + j) * _e4m3_byte(hi, j)[None, :]
+    if F16X2:
+        a0, a1, a2, a3 = _e4m3_pairs_f16(lo, hi)
+        s = _dot8_f16(p0, p1, p2, p3, a0[None, :], a1[None, :], a2[None, :], a3[None, :])
+        unit = 14  # word sums are in units of 2**-14
+    else:
+        s = _e2m1_nibble(w, 0) * _e4m3_byte(lo, 0)[None, :]
+        for j in tl.static_range(1, 4):
+            s += _e2m1_nibble(w, j) * _e4m3_byte(lo, j)[None, :]
+        for j in tl.static_range(4):
+            s += _e2m1_nibble(w, 4 + j) * _e4m3_byte(hi, j)[None, :]
+        unit = PROD_EXP
     a_exp = tl.maximum(tl.load(act_scale_ptr + row * (K // 32) + g0 + offs_g, mask=g_ok, other=127).to(tl.int32)
                        - 127, -126)
-    e = tl.minimum(tl.maximum(w_exp + a_exp[None, :] + PROD_EXP, -126), 127)
+    e = tl.minimum(tl.maximum(w_exp + a_exp[None, :] + unit, -126), 127)
     return tl.sum(tl.reshape(s, [BLOCK_R, BLOCK_G, 4]), axis=2) * _pow2(e)
 
 
 @triton.jit
 def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0, r1, r2, r3, u1, u2, u3,
                  g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr):
     """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
     up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
     over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
@@ -139,19 +192,27 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
             w = tl.load(w_base + g0 * 4, mask=rows_ok[:, None] & c_ok[None, :], other=0)
             ws = tl.load(ws_base + g0, mask=rows_ok[None, :] & g_ok[:, None], other=127)
         w_exp = tl.trans(tl.maximum(ws.to(tl.int32) - 127, -126))  # [BLOCK_R, BLOCK_G]
-        acc0 += _group_dot(w, act_ptr, act_scale_ptr, r0, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K, BLOCK_R, BLOCK_G)
+        if F16X2:
+            p0, p1, p2, p3 = _e2m1_pairs_f16(w)
+        else:
+            p0 = w
+            p1 = w
+            p2 = w
+            p3 = w
+        acc0 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r0, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
+                           BLOCK_R, BLOCK_G, F16X2)
         if NT > 1:
             if u1:
-                acc1 += _group_dot(w, act_ptr, act_scale_ptr, r1, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
-                                   BLOCK_R, BLOCK_G)
+                acc1 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r1, w_exp, g0, offs_c, c_ok, offs_g,
+                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2)
         if NT > 2:
             if u2:
-                acc2 += _group_dot(w, act_ptr, act_scale_ptr, r2, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
-                                   BLOCK_R, BLOCK_G)
+                acc2 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r2, w_exp, g0, offs_c, c_ok, offs_g,
+                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2)
         if NT > 3:
             if u3:
-                acc3 += _group_dot(w, act_ptr, act_scale_ptr, r3, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
-                                   BLOCK_R, BLOCK_G)
+                acc3 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r3, w_exp, g0, offs_c, c_ok, offs_g,
+                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2)
     return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1)
 
 
@@ -192,6 +253,7 @@ def _moe_fc1_swiglu_fma_kernel(
     BLOCK_R: tl.constexpr,  # weight rows per program: a power of two >= 64 (whole MXFP8 output blocks)
     BLOCK_G: tl.constexpr,  # 32-value groups (16 bytes of a row) per K step, power of two
     PREFETCH: tl.constexpr,  # load the next K step's weights before this step's math
+    F16X2: tl.constexpr,  # packed fp16 products (inline PTX, GPU) instead of the exact fp32 integer decode
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     HW_FP8: tl.constexpr,
@@ -212,7 +274,7 @@ def _moe_fc1_swiglu_fma_kernel(
     row_ok = rows < 2 * I
     w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)  # rows past 2I: read row 2I-1, never stored
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
-                                  u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH)
+                                  u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
     bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     _fc1_epilogue(h0, u0, t0, s0, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
     if NT > 1:
@@ -266,6 +328,7 @@ def _moe_fc2_fma_kernel(
     SPLIT: tl.constexpr,  # K splits (grid axis 2)
     GPS: tl.constexpr,  # 32-value groups per split: a multiple of BLOCK_G, SPLIT * GPS >= I / 32
     PREFETCH: tl.constexpr,
+    F16X2: tl.constexpr,
 ):
     p = tl.program_id(0)
     if p >= M * TOPK:
@@ -288,7 +351,7 @@ def _moe_fc2_fma_kernel(
     w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: read row H-1, never stored
     y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
-                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH)
+                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
     bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     if SPLIT > 1:
         bias = tl.where(split == 0, bias, 0.0)  # the bias goes into split 0's partial only
