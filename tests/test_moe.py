@@ -134,14 +134,6 @@ def _assert_mxfp8_close(q, s, ref_q, ref_s):
     assert (deq == deq_ref).float().mean() > 0.95
 
 
-def _fma_atol(device, ref):
-    """Absolute tolerance of the FMA GEMVs' outputs: their exact fp32 path (the interpreter) as
-    test_fc2_combine_matches_reference; on a GPU (packed fp16 products, each 8-term word sum
-    rounded once to fp16: ~2**-11 of the word's magnitude), 1e-3 of the largest output, which a
-    cancelling sum near zero needs and a wrong decode or scale exceeds by orders of magnitude."""
-    return 1e-5 if str(device) == "cpu" else 1e-3 * ref.abs().max().item()
-
-
 def _fc1_case(m, k, i, e, topk, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
@@ -196,7 +188,7 @@ def test_fma_fc2_matches_reference(device, m, hidden, i, e, topk, tiles):
     t = FmaTiles.parse(tiles) if tiles else None
     out = moe_fc2_combine_fma(dev(h), dev(h_scale), dev(w2), dev(w2_scale), dev(bias), dev(topk_ids), dev(topk_w), t)
     assert ref.abs().max() > 0.5
-    torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=_fma_atol(device, ref))
+    torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=1e-5)  # as test_fc2_combine_matches_reference
 
 
 def test_fma_block_matches_decode_path_with_repeated_and_garbage_ids(device):
@@ -219,7 +211,7 @@ def test_fma_block_matches_decode_path_with_repeated_and_garbage_ids(device):
         h, hs = fc1(dev(a), dev(a_scale), dev(w13), dev(w13_scale), dev(b13), dev(ids))
         outs.append(fc2(h, hs, dev(w2), dev(w2_scale), dev(b2), dev(ids), dev(w)).cpu().float())
     assert torch.isfinite(outs[0]).all() and outs[1].abs().max() > 0.5
-    torch.testing.assert_close(outs[0], outs[1], rtol=2**-7, atol=_fma_atol(device, outs[1]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=2**-7, atol=1e-5)
 
 
 def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
@@ -358,10 +350,11 @@ def test_fma_path_gpt_oss_shapes_on_gpu(model, experts, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
 def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):
-    """The packed-fp16 products (GPU default) against the exact fp32 integer decode of the same
-    kernels ($VLLM_SM121_MOE_FMA_F16X2=0), gpt-oss-120b layer: the whole block within 1e-3 rel L2
-    (measured on CPU emulation: ~1.5e-4 for one 2880 x 2880 GEMV), FC1's MXFP8 output within one
-    e4m3 step (>= 95% identical)."""
+    """The packed-fp16 products ($VLLM_SM121_MOE_FMA_F16X2=1, opt-in) against the exact fp32
+    integer decode of the same kernels (the default), gpt-oss-120b layer. One GEMV differs by
+    ~1.5e-4 rel L2 (CPU emulation), but FC1's MXFP8 rounding flips a few values by a whole e4m3
+    step, so the block differs by ~3e-3 (3.1e-3 / 3.6e-3 at M = 1 / 4 on an H200, dbee2b3): bound
+    1e-2 (MXFP8 activations are ~4e-2 from bf16); FC1's MXFP8 outputs >= 95% identical."""
     from vllm_sm121.kernels import moe as K
 
     args = _gpt_oss_layer(128, seed=40 + m)
@@ -376,7 +369,7 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):
         fc1.append(K.moe_fc1_swiglu_fma(xq, xs, *args[:3], topk_ids))
     rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
     print(f"\nM={m}: packed fp16 vs exact fp32 products, block rel L2 {rel:.2e}")
-    assert torch.isfinite(outs[0]).all() and rel < 1e-3
+    assert torch.isfinite(outs[0]).all() and rel < 1e-2
     # FC1's MXFP8 outputs: a value rarely crosses an e4m3 rounding boundary (or a block's max a
     # power of two, changing its scale), so compare dequantized: mostly identical, close overall
     deq = [mxfp8_dequantize_torch(q.cpu(), s.cpu()) for q, s in fc1]

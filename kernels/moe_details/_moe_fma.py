@@ -253,7 +253,7 @@ def _moe_fc1_swiglu_fma_kernel(
     BLOCK_R: tl.constexpr,  # weight rows per program: a power of two >= 64 (whole MXFP8 output blocks)
     BLOCK_G: tl.constexpr,  # 32-value groups (16 bytes of a row) per K step, power of two
     PREFETCH: tl.constexpr,  # load the next K step's weights before this step's math
-    F16X2: tl.constexpr,  # packed fp16 products (inline PTX, GPU) instead of the exact fp32 integer decode
+    F16X2: tl.constexpr,  # packed fp16 products (inline PTX, GPU, opt-in) instead of the exact fp32 decode
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     HW_FP8: tl.constexpr,
