@@ -63,6 +63,7 @@ for step in "$@"; do
          grep -E "^\[|nvfp4|Error|passed|failed" "$OUT/e2e_kv.log" | head -n 40; (exit $r) ;;
     moebench) python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 80 ;;
     moegsweep) python3 benchmarks/moe.py --m "${MOE_M:-8,64,512,4096}" --providers "${MOE_PROVIDERS:-sm121_grouped,triton}" ${MOE_GROUPED_TILES:+--grouped-tiles "$MOE_GROUPED_TILES"} --out "$OUT/moe_grouped_sweep${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moegsweep${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 70 ;;
+    moefmatests) python3 -m pytest -q -s -m gpu tests/test_moe.py -k "fma" -p no:cacheprovider 2>&1 | tee "$OUT/moefmatests.log" | grep -E "M=|passed|failed|Error" | tail -n 30 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
     densegpu) python3 -m pytest -q -m gpu tests/test_dense.py -p no:cacheprovider 2>&1 | tail -n 15 | tee "$OUT/densegpu.log" ;;
@@ -94,7 +95,9 @@ for step in "$@"; do
             wm_test ;;
     wmsample) python3 -m pytest -q -m "gpu or interpreter" tests/test_decode_sample.py -p no:cacheprovider 2>&1 | tail -n 3 | tee "$OUT/decode_sample.log"
               wm_test "temperature_sampling" ;;  # in-graph sampling: the kernel tests, then the engine tests (levels 1 and 2)
+    sampletests) python3 -m pytest -q -m "gpu or interpreter" tests/test_decode_sample.py -p no:cacheprovider 2>&1 | tail -n 15 | tee "$OUT/decode_sample.log" ;;
     samplebench) python3 benchmarks/sample.py --out "$OUT/sample.json" 2>&1 | tee "$OUT/samplebench.log" | tail -n 20 ;;
+    wmmain) wm_test "not temperature_sampling and not tp2" ;;  # the one-GPU engine tests without in-graph sampling
     wmtp) wm_test tp2 ;;  # the TP=2 case alone (2 GPUs)
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
