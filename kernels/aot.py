@@ -25,7 +25,7 @@ from vllm_sm121 import platform as _platform
 from . import decode_sample as DS
 from .decode_inputs_details._decode_inputs import _advance_decode_inputs_kernel
 from .decode_sample_details._decode_sample import (_decode_sample_final_kernel, _decode_sample_partial_kernel,
-                                                   _decode_sample_threshold_kernel)
+                                                   _decode_sample_topk_pass_kernel, _decode_sample_topp_pass_kernel)
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
@@ -285,6 +285,30 @@ def dense_specs(family: str) -> list[Spec]:
     return specs
 
 
+def decode_sample_specs(vocab: int = 201088) -> list[Spec]:
+    """The in-graph sampler's launches (gpt-oss's vocabulary): the sampling kernel without and with
+    top-k / top-p, and the threshold passes, for bf16 logits (16-bit keys) and fp32 (32-bit)."""
+    nb = DS.num_blocks(vocab)
+    opts = dict(temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", cmax_ptr="*i32", cnt_ptr="*i32",
+                mass_ptr="*fp32", state_ptr="*i32")
+    specs = []
+    for name, kb in (("bf16", 16), ("fp32", 32)):  # decode_sample.key_bits
+        tri = f"*{name}"
+        c = dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.BLOCK, KB=kb, FAN=DS.THRESHOLD_FAN, NB_P2=triton.next_power_of_2(nb),
+                 NSTATE=DS.THRESHOLD_STATE)
+        for thr in (False, True):
+            specs.append(Spec(name=f"decode_sample[partial, V{vocab}, {name}{', top-k/top-p' if thr else ''}]",
+                              fn=_decode_sample_partial_kernel, constexprs=dict(c, HAS_THR=thr),
+                              ptr_types=dict(opts, logits_ptr=tri, seed_ptr="*i64", step_ptr="*i64", thr_ptr="*i32",
+                                             part_val_ptr="*fp32", part_idx_ptr="*i32"),
+                              num_warps=DS.NUM_WARPS))
+        for what, fn in (("top-k", _decode_sample_topk_pass_kernel), ("top-p", _decode_sample_topp_pass_kernel)):
+            specs.append(Spec(name=f"decode_sample[{what} pass, V{vocab}, {name}]", fn=fn,
+                              constexprs=dict(c, SUB=DS.THRESHOLD_SUB), ptr_types=dict(opts, logits_ptr=tri),
+                              num_warps=DS.NUM_WARPS))
+    return specs
+
+
 def graph_specs(family: str) -> list[Spec]:
     """The whole-model graph mode's device-side input advance (two KV groups, 32 padded rows) and
     its in-graph sampler (gpt-oss's vocabulary)."""
@@ -295,16 +319,7 @@ def graph_specs(family: str) -> list[Spec]:
                                 seq_lens_ptr="*i32", bt0_ptr="*i32", slot0_ptr="*i64", bt1_ptr="*i32",
                                 slot1_ptr="*i64", patches_ptr="*i32"),
                  num_warps=4),
-            *[Spec(name=f"decode_sample[partial, V201088{', top-k/top-p' if thr else ''}]",
-                   fn=_decode_sample_partial_kernel, constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.BLOCK, HAS_THR=thr),
-                   ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
-                                  thr_ptr="*i32", part_val_ptr="*fp32", part_idx_ptr="*i32"),
-                   num_warps=DS.NUM_WARPS) for thr in (False, True)],
-            Spec(name="decode_sample[top-k/top-p thresholds]", fn=_decode_sample_threshold_kernel,
-                 constexprs=dict(EPS=DS.SAMPLING_EPS, BLOCK=DS.THRESHOLD_BLOCK, FAN=DS.THRESHOLD_FAN),
-                 ptr_types=dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32",
-                                thr_ptr="*i32"),
-                 num_warps=DS.NUM_WARPS),
+            *decode_sample_specs(),
             Spec(name="decode_sample[final]", fn=_decode_sample_final_kernel,
                  constexprs=dict(NB_P2=triton.next_power_of_2(DS.num_blocks(201088))),
                  ptr_types=dict(part_val_ptr="*fp32", part_idx_ptr="*i32", out_ptr="*i32", step_ptr="*i64"),

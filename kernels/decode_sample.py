@@ -13,24 +13,40 @@ graph-capturable pair of launches.
   not stock's random numbers (its per-request ``torch.Generator`` is host state), which is why the
   runner leaves seeded requests to stock's sampler.
 
-With ``top_k`` / ``top_p`` (per row; off = 0 or >= V / 1.0), a third launch first finds each
-temperature row's threshold (``_decode_sample_threshold_kernel``: one program per row, a 16-ary
-search over the 32-bit keys of the scaled logits, 8 passes for top-k and 10 for top-p, no sort) and the
-race runs over the entries at or above it: vLLM's rules (top-k keeps every value >= the k-th
-largest, ties included; top-p on the top-k survivors' softmax keeps the values whose mass at or
-below them exceeds 1 - p, and always the largest). Two differences at the top-p boundary: sums run
-in another order than vLLM's cumsum (a token whose cumulative mass ties within rounding may go the
-other way), and a group of *equal* values straddling the cut is kept whole, where vLLM's sort keeps
-part of it in its own order (bf16 logits tie often: on bf16-rounded random logits the kernel kept
-~0.2% more mass at p = 0.9). No min-p. The step
-counter (int64, one element, on the device) is advanced by the second launch, so every replay of
-a captured graph draws new numbers; nothing is read from the host.
+With ``top_k`` / ``top_p`` (per row; off = 0 or >= V / 1.0), threshold launches first find each
+temperature row's threshold and the race runs over the entries at or above it: vLLM's rules
+(top-k keeps every value >= the k-th largest, ties included; top-p on the top-k survivors'
+softmax keeps the values whose mass at or below them exceeds 1 - p, and always the largest). No
+sort: a radix search, 4 bits a pass, over the logits' order-preserving integer keys (16-bit for
+bf16 / fp16 logits, 32-bit for fp32: KB), first for top-k (digit counts, ``tl.histogram``) then
+for top-p (digit masses exp(logit / T - max) over the top-k survivors). Division by T is
+monotone, so the k-th largest raw logit, scaled, is the k-th largest scaled one; the threshold
+found on raw keys becomes one on the scaled logits' keys, which the sampling launch compares
+(values that only tie after the division tie there too, as in vLLM's filter on the scaled
+logits). Every pass is one launch over a (P, cdiv(V, BLOCK)) grid, each program one BLOCK chunk
+of one row: it first reduces the previous pass's per-chunk partials (a small workspace; every
+program the same fixed-order sums, so all agree and reruns repeat: integer counts, fp32 masses
+in a fixed tree) to the digit holding the answer, then writes its chunk's partials for the next
+digit; the sampling launch completes the last pass. Per step: KB / 4 top-k + KB / 4 top-p passes
+over the vocabulary, each a read of the rows' logits spread over the whole GPU, then the
+sampling launch and the final one: 8 + 2 = 10 launches for bf16 / fp16 logits, 16 + 2 = 18 for
+fp32 (the previous kernel ran 18 passes in one program per row: 5.7-5.8 ms at 1, 8 and 32 rows
+on an H200). The new kernels are tested under the Triton interpreter and compiled for sm_121a /
+sm_90a, not yet timed on a GPU. Two differences at the top-p boundary: sums run in another order
+than vLLM's cumsum (a token whose cumulative mass ties within rounding may go the other way), and
+a group of *equal* values straddling the cut is kept whole, where vLLM's sort keeps part of it in
+its own order (bf16 logits tie often: on bf16-rounded random logits the kernel kept ~0.2% more
+mass at p = 0.9). ``top_p == 1`` is off (vLLM's filter then still drops tokens whose fp32
+probability underflows to 0, which the race never picks anyway). No min-p. The step counter
+(int64, one element, on the device) is advanced by the last launch, so every replay of a
+captured graph draws new numbers; nothing is read from the host, and the grids depend only on
+the number of rows and the vocabulary.
 
 Launches: (P, cdiv(V, BLOCK)) programs each score BLOCK entries (the noise only on temperature
 rows: a per-row branch) and keep their best (value, lowest index); then P programs reduce the
-blocks. Logits are read once. Numerics are not bit-exact with the torch reference for
-temperature rows (``log`` may round differently); greedy rows are exact. NaN logits are not
-handled specially (stock's ``argmax`` returns a NaN's index; this kernel may not).
+blocks. Logits are read once by the sampling itself. Numerics are not bit-exact with the torch
+reference for temperature rows (``log`` may round differently); greedy rows are exact. NaN logits
+are not handled specially (stock's ``argmax`` returns a NaN's index; this kernel may not).
 """
 
 from __future__ import annotations
@@ -39,12 +55,13 @@ import torch
 import triton
 
 from .decode_sample_details._decode_sample import (_decode_sample_final_kernel, _decode_sample_partial_kernel,
-                                                   _decode_sample_threshold_kernel)
+                                                   _decode_sample_topk_pass_kernel, _decode_sample_topp_pass_kernel)
 
 SAMPLING_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
-BLOCK = 4096
-THRESHOLD_BLOCK = 512  # the threshold kernel's chunk (one program per row loops over the vocabulary)
-THRESHOLD_FAN = 16  # pivots per pass: [THRESHOLD_BLOCK, FAN] compares in registers
+BLOCK = 4096  # vocabulary entries per program, in the sampling launch and in every threshold pass
+THRESHOLD_SUB = 512  # a threshold pass's inner tile (top-p: [FAN, SUB] one-hot sums in registers)
+THRESHOLD_FAN = 16  # digits per pass (4 bits)
+THRESHOLD_STATE = 8  # int32 words of search state per row and slot
 NUM_WARPS = 8
 
 
@@ -52,13 +69,22 @@ def num_blocks(vocab_size: int) -> int:
     return triton.cdiv(vocab_size, BLOCK)
 
 
-def workspace(rows: int, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-block partial results and per-row thresholds for ``rows`` rows (allocate once, outside
-    graph capture)."""
-    nb = num_blocks(vocab_size)
-    return (torch.empty((rows, nb), dtype=torch.float32, device=device),
-            torch.empty((rows, nb), dtype=torch.int32, device=device),
-            torch.empty((rows,), dtype=torch.int32, device=device))
+def key_bits(dtype: torch.dtype) -> int:
+    """Bits of the threshold search's keys: 32 for fp32 logits, 16 for bf16 / fp16."""
+    return 32 if dtype == torch.float32 else 16
+
+
+def workspace(rows: int, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
+    """Scratch for ``rows`` rows (allocate once, outside graph capture): the sampling launch's
+    per-block partial results (fp32 and int32 [rows, NB]), per-row thresholds (int32 [rows]), and
+    the threshold passes' per-chunk largest keys (int32 [rows, NB]), per-chunk digit counts
+    (int32 [rows, 2, NB, FAN]) and masses (fp32, same shape), and search state (int32
+    [rows, 2, STATE]). Nothing needs initialising: every pass writes what the next one reads."""
+    nb, fan = num_blocks(vocab_size), THRESHOLD_FAN
+    f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+    return (torch.empty((rows, nb), **f32), torch.empty((rows, nb), **i32), torch.empty((rows,), **i32),
+            torch.empty((rows, nb), **i32), torch.empty((rows, 2, nb, fan), **i32),
+            torch.empty((rows, 2, nb, fan), **f32), torch.empty((rows, 2, THRESHOLD_STATE), **i32))
 
 
 def _check(logits, temperature, seeds, step, out, ws, top_k, top_p):
@@ -78,17 +104,51 @@ def _check(logits, temperature, seeds, step, out, ws, top_k, top_p):
                              f"got {t.dtype} {tuple(t.shape)}")
     if step.dtype != torch.int64 or step.numel() != 1:
         raise ValueError(f"step: expected a one-element int64 tensor, got {step.dtype} {tuple(step.shape)}")
-    vals, idx, thr = ws
-    nb = num_blocks(logits.shape[1])
-    if vals.dtype != torch.float32 or idx.dtype != torch.int32 or vals.shape[0] < p or idx.shape[0] < p \
-            or vals.shape[1] != nb or idx.shape[1] != nb or thr.dtype != torch.int32 or thr.shape[0] < p:
-        raise ValueError(f"workspace: expected fp32 and int32 [>= {p}, {nb}] tensors and int32 [>= {p}] "
-                         f"(decode_sample.workspace), got {vals.dtype} {tuple(vals.shape)}, {idx.dtype} "
-                         f"{tuple(idx.shape)} and {thr.dtype} {tuple(thr.shape)}")
-    devices = {t.device for t in (logits, temperature, seeds, step, out, vals, idx, thr)
+    nb, fan = num_blocks(logits.shape[1]), THRESHOLD_FAN
+    want = [(torch.float32, (nb,)), (torch.int32, (nb,)), (torch.int32, ()), (torch.int32, (nb,)),
+            (torch.int32, (2, nb, fan)), (torch.float32, (2, nb, fan)), (torch.int32, (2, THRESHOLD_STATE))]
+    if len(ws) != len(want) or any(w.dtype != dt or w.dim() != 1 + len(shape) or w.shape[0] < p
+                                   or tuple(w.shape[1:]) != shape or not w.is_contiguous()
+                                   for w, (dt, shape) in zip(ws, want)):
+        raise ValueError(f"workspace: expected decode_sample.workspace(>= {p}, {logits.shape[1]}): "
+                         f"{[(str(dt), ('>=' + str(p),) + s) for dt, s in want]}, got "
+                         f"{[(str(w.dtype), tuple(w.shape)) for w in ws]}")
+    devices = {t.device for t in (logits, temperature, seeds, step, out, *ws)
                + ((top_k, top_p) if top_k is not None else ())}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _consts(logits: torch.Tensor) -> dict:
+    nb = num_blocks(logits.shape[1])
+    return dict(EPS=SAMPLING_EPS, BLOCK=BLOCK, KB=key_bits(logits.dtype), FAN=THRESHOLD_FAN,
+                NB_P2=triton.next_power_of_2(nb), NSTATE=THRESHOLD_STATE)
+
+
+def _threshold_passes(logits, temperature, top_k, top_p, ws) -> None:
+    """The top-k then top-p passes (``threshold_passes(dtype)`` launches); the sampling launch
+    completes the last one."""
+    p, v = logits.shape
+    nb = num_blocks(v)
+    _, _, _, cmax, cnt, mass, state = ws
+    c = _consts(logits)
+    for g in range(c["KB"] // 4):
+        _decode_sample_topk_pass_kernel[(p, nb)](logits, logits.stride(0), temperature, top_k, top_p, cmax, cnt, state,
+                                                 v, nb, g, SUB=THRESHOLD_SUB, **c, num_warps=NUM_WARPS)
+    for j in range(c["KB"] // 4):
+        _decode_sample_topp_pass_kernel[(p, nb)](logits, logits.stride(0), temperature, top_k, top_p, cmax, cnt, mass,
+                                                 state, v, nb, j, SUB=THRESHOLD_SUB, **c, num_warps=NUM_WARPS)
+
+
+def _partial(logits, temperature, seeds, step, ws, top_k, top_p) -> None:
+    p, v = logits.shape
+    nb = num_blocks(v)
+    vals, idx, thr, _, _, mass, state = ws
+    has_thr = top_k is not None
+    _decode_sample_partial_kernel[(p, nb)](logits, logits.stride(0), temperature, seeds, step,
+                                           top_k if has_thr else thr, top_p if has_thr else temperature, state, mass,
+                                           thr, vals, idx, v, nb, HAS_THR=has_thr, **_consts(logits),
+                                           num_warps=NUM_WARPS)
 
 
 def decode_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor,
@@ -101,17 +161,12 @@ def decode_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     if ws is None:
         ws = workspace(logits.shape[0], logits.shape[1], logits.device)
     _check(logits, temperature, seeds, step, out, ws, top_k, top_p)
-    p, v = logits.shape
-    nb = num_blocks(v)
-    vals, idx, thr = ws
     if top_k is not None:
-        _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
-                                              EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, FAN=THRESHOLD_FAN,
-                                              num_warps=NUM_WARPS)
-    _decode_sample_partial_kernel[(p, nb)](logits, logits.stride(0), temperature, seeds, step, thr, vals, idx, v, nb,
-                                           EPS=SAMPLING_EPS, BLOCK=BLOCK, HAS_THR=top_k is not None,
-                                           num_warps=NUM_WARPS)
-    _decode_sample_final_kernel[(p,)](vals, idx, out, step, nb, NB_P2=triton.next_power_of_2(nb), num_warps=1)
+        _threshold_passes(logits, temperature, top_k, top_p, ws)
+    _partial(logits, temperature, seeds, step, ws, top_k, top_p)
+    nb = num_blocks(logits.shape[1])
+    _decode_sample_final_kernel[(logits.shape[0],)](ws[0], ws[1], out, step, nb, NB_P2=triton.next_power_of_2(nb),
+                                                    num_warps=1)
     return out
 
 
@@ -155,15 +210,14 @@ def kept_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 
 def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
          ws: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """[P, V] bool: the entries the threshold kernel keeps (runs it into ``ws``; tests)."""
+    """[P, V] bool: the entries the threshold passes keep (runs them and the sampling launch, which
+    completes the last pass and stores the thresholds, into ``ws``; tests)."""
     p, v = logits.shape
-    _check(logits, temperature, torch.zeros(p, dtype=torch.int64, device=logits.device),
-           torch.zeros(1, dtype=torch.int64, device=logits.device), torch.zeros(p, dtype=torch.int64, device=logits.device),
-           ws, top_k, top_p)
-    thr = ws[2]
-    _decode_sample_threshold_kernel[(p,)](logits, logits.stride(0), temperature, top_k, top_p, thr, v,
-                                          EPS=SAMPLING_EPS, BLOCK=THRESHOLD_BLOCK, FAN=THRESHOLD_FAN,
-                                          num_warps=NUM_WARPS)
+    seeds, step = torch.zeros(p, dtype=torch.int64, device=logits.device), torch.zeros(1, dtype=torch.int64,
+                                                                                        device=logits.device)
+    _check(logits, temperature, seeds, step, torch.zeros(p, dtype=torch.int64, device=logits.device), ws, top_k, top_p)
+    _threshold_passes(logits, temperature, top_k, top_p, ws)
+    _partial(logits, temperature, seeds, step, ws, top_k, top_p)
     b = (_scaled_torch(logits, temperature) + 0.0).view(torch.int32)
     key = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return key >= thr[:p, None]
+    return key >= ws[2][:p, None]

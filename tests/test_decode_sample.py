@@ -113,6 +113,63 @@ def test_thresholds_keep_what_vllms_filter_keeps(device):
     assert counts[0] == logits.shape[1] and counts[1] == 5 and counts[5] == 1 and 1 <= counts[6] < 50
 
 
+def _kept_like_vllm(got, want, logits, temperature, exact: bool):
+    """``got`` keeps what vLLM's filter keeps; with 16-bit logits also, at the top-p cut, the rest
+    of a group of equal values (vLLM's sort keeps part of it), nothing else. Greedy rows: all."""
+    greedy = temperature < ds.SAMPLING_EPS
+    assert got[greedy].all()
+    for r in torch.nonzero(~greedy).flatten().tolist():
+        if exact:
+            assert torch.equal(got[r], want[r]), (r, int(got[r].sum()), int(want[r].sum()))
+        else:
+            assert torch.all(got[r] | ~want[r]), f"row {r}: the kernel dropped a value vLLM keeps"
+            extra = got[r] & ~want[r]
+            if extra.any():
+                assert torch.all(logits[r][extra] == logits[r][want[r]].min()), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_thresholds_across_chunks_and_dtypes(device, dtype):
+    """Several chunks per row (every pass reduces the chunks' partials), 16-bit keys for bf16 /
+    fp16 logits and 32-bit for fp32: vLLM's kept sets; -inf entries (masked tokens) and a top-k
+    tie group spread over the chunks included; the same thresholds for a row alone and in the
+    batch, and on a second run over a reused workspace (no state leaks between calls)."""
+    v = ds.BLOCK + 1234
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(len(FILTER_ROWS), v, generator=g) * 4).to(dtype).float()
+    logits[2, ::7] = float("-inf")
+    logits[1, torch.randperm(v, generator=g)[:9]] = 30.0  # nine tie for the largest, top-k 5 keeps all nine
+    logits = logits.to(dtype).to(device)
+    temperature = torch.tensor([r[0] for r in FILTER_ROWS], dtype=torch.float32, device=device)
+    top_k = torch.tensor([r[1] for r in FILTER_ROWS], dtype=torch.int32, device=device)
+    top_p = torch.tensor([r[2] for r in FILTER_ROWS], dtype=torch.float32, device=device)
+    ws = ds.workspace(len(FILTER_ROWS), v, device)
+    got = ds.kept(logits, temperature, top_k, top_p, ws).cpu()
+    want = ds.kept_torch(logits.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu())
+    _kept_like_vllm(got, want, logits.cpu().float(), temperature.cpu(), exact=dtype == torch.float32)
+    assert int(got[1].sum()) == 9
+    thr = ws[2][: len(FILTER_ROWS)].clone()
+    # a reused workspace after other options, then each row alone: the same thresholds
+    ds.kept(logits.flip(0), temperature.flip(0), top_k.flip(0), top_p.flip(0), ws)
+    assert torch.equal(ds.kept(logits, temperature, top_k, top_p, ws).cpu(), got)
+    one = ds.workspace(1, v, device)
+    for r in (3, 6):
+        ds.kept(logits[r:r + 1], temperature[r:r + 1], top_k[r:r + 1], top_p[r:r + 1], one)
+        assert one[2][0] == thr[r], r
+
+
+def test_temperature_merging_distinct_logits_ties_them(device):
+    """A huge temperature divides distinct tiny logits to the same scaled value (0): the filter
+    works on the scaled logits, so they tie there (vLLM's rule: top-k keeps both)."""
+    logits = torch.tensor([[5.0, 3.0, 1e-30, 2e-30, -1.0, -2.0, -3.0, -4.0]], device=device)
+    t = torch.tensor([1e20], device=device)
+    for k in (3, 4):
+        top_k = torch.tensor([k], dtype=torch.int32, device=device)
+        got = ds.kept(logits, t, top_k, torch.ones(1, device=device), ds.workspace(1, 8, device)).cpu()
+        want = ds.kept_torch(logits.cpu(), t.cpu(), top_k.cpu(), torch.ones(1))
+        assert torch.equal(got, want) and got[0].tolist() == [True] * 4 + [False] * 4, (k, got)
+
+
 def test_ties_at_the_top_k_value_are_kept_like_vllm(device):
     logits = torch.zeros(1, 100, device=device)
     logits[0, 10:20] = 2.0  # ten tokens tie for the largest value; top-k 3 keeps all ten (vLLM's rule)
