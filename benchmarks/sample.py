@@ -14,7 +14,7 @@ Cases (gpt-oss's vocabulary, 201,088; bf16 logits N(0, 4) as the lm_head leaves 
 
 Providers
     sm121     ``decode_sample`` (greedy: the same kernels with zero temperatures; top-k / top-p: the
-              threshold kernel first), workspace preallocated, as the graph runs it.
+              threshold passes first: 8 launches for bf16 logits), workspace preallocated, as the graph runs it.
     vllm      stock's ops for the case (``vllm/v1/sample``): greedy = fp32 cast + argmax;
               temperature = fp32 cast, division, softmax, ``random_sample`` (exponential race);
               topk_topp = the same with ``apply_top_k_top_p_pytorch`` (vLLM's native path, the one
