@@ -206,7 +206,7 @@ def test_configs_table():
         "kv_cache_dtype": "nvfp4",
     }
     # the gated MoE is measured through its environment opt-in, off the default list
-    moe_on = ("sm121-moe", "sm121-fp8dense-moe")
+    moe_on = ("sm121-moe", "sm121-fp8dense-moe", "sm121-all-moe")
     for name in moe_on:
         assert dict(by[name].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1"}
         assert name not in e2e.DEFAULT_CONFIGS
