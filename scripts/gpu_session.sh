@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 wm_test() {  # tests/test_whole_model_gpu.py [-k EXPR], its summary lines
   local log="$OUT/wmtest${1:+_$1}.log"
   python3 -m pytest -q -s tests/test_whole_model_gpu.py ${1:+-k "$1"} -p no:cacheprovider > "$log" 2>&1; local r=$?
-  grep -E "stats|verification|same engine|mode on|control|distinct|seeded|decode logprobs|passed|failed|Error|^E " "$log" | head -n 30
+  grep -E "stats|verification|same engine|one engine|mode on|control|distinct|seeded|logprobs,|passed|failed|Error|^E " "$log" | head -n 30
   return $r
 }
 rc=0

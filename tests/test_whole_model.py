@@ -310,6 +310,21 @@ def test_runner_takes_the_graph_tokens_for_an_eligible_covered_step(monkeypatch)
     assert r._sample("L", None) == ("stock", "L")  # the hand-over is for one step only
 
 
+def test_runner_switched_off_at_run_time_leaves_every_step_to_stock(monkeypatch):
+    r, seen = _runner(monkeypatch)
+    r._sm121_chain = ("chain",)
+    r.sm121_graph_enable(False)
+    assert r._sm121_chain is None
+    r._model_forward()
+    assert seen["forward"] and not r._sm121_take and not r._sm121_tail.claimed
+    assert r._sample("L", None) == ("stock", "L") and r.sm121_graph_stats()["fallbacks"] == {}
+    r._sm121_chain = ("chain",)
+    assert r._sm121_plan(object(), None) is None  # no steady step while off
+    r.sm121_graph_enable(True)
+    r._model_forward()
+    assert r._sm121_take and r._sm121_tail.claimed
+
+
 def test_runner_falls_back_per_batch_and_counts_the_reason(monkeypatch, caplog):
     r, _ = _runner(monkeypatch, reason="logprobs requested")
     for _ in range(3):

@@ -86,6 +86,7 @@ class WholeModelRunner(GPUModelRunner):
     _sm121_taken: int = 0
     _sm121_take: bool = False
     _sm121_verify: bool = False
+    _sm121_enabled: bool = True  # sm121_graph_enable: False runs every step as stock does
     _sm121_checked: dict | None = None
     # stage B (vllm_sm121.graph.steady)
     _sm121_chain: tuple | None = None  # (row request ids, batch descriptor) of a graphed decode step
@@ -225,7 +226,7 @@ class WholeModelRunner(GPUModelRunner):
         if tail is not None:
             tail.__dict__["claimed"] = False
             self._sm121_take = False
-            if covers(current_context(), tail.max_rows):
+            if self._sm121_enabled and covers(current_context(), tail.max_rows):
                 why = self._sm121_reason()
                 # a graphed uniform decode of these rows: the next step may continue it (stage B)
                 self._sm121_chain = (tuple(self.input_batch.req_ids), current_context().batch_descriptor)
@@ -278,7 +279,7 @@ class WholeModelRunner(GPUModelRunner):
         """(graph entry, new KV blocks, stock sampling) when ``so`` is a steady step the fast path
         takes, else None."""
         chain = self._sm121_chain
-        if chain is None or self._sm121_tail is None or intermediate_tensors is not None:
+        if chain is None or self._sm121_tail is None or intermediate_tensors is not None or not self._sm121_enabled:
             return None
         if self._sm121_static == "":
             from vllm.distributed.ec_transfer import has_ec_transfer
@@ -496,6 +497,14 @@ class WholeModelRunner(GPUModelRunner):
                                         option(batch.top_k_cpu, np.int32), option(batch.top_p_cpu, np.float32))
         inside = kept.gather(1, graph.reshape(-1)[:n].to(device=dev, dtype=torch.int64)[:, None])[:, 0]
         return int((~inside & sampled.to(dev)).sum())
+
+    def sm121_graph_enable(self, on: bool = True) -> None:
+        """Turn the mode's decode path on or off at run time (``collective_rpc``; tests): off, every
+        step is stock's (no graph tokens taken, no steady steps; the captured graphs still replay,
+        the tail's outputs go unused), so one engine, with one compiled model, runs with and
+        without the mode."""
+        self._sm121_enabled = bool(on)
+        self._sm121_chain = None
 
     def sm121_graph_verify(self, on: bool = True) -> None:
         """Turn verification on or off (module docstring); resets its counters."""
