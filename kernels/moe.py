@@ -258,7 +258,7 @@ def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
 # VLLM_SM121_MOE_FMA_F16X2=1 (read at call time; GPU only, the interpreter cannot run inline PTX)
 # opts in to packed fp16 products: ~3.1 instead of ~5.2 sm_90a instructions per weight value.
 # H200, gpt-oss-120b layer, dbee2b3 (docs/moe-fma-f16x2-h200-dbee2b3.json): no faster at M = 1
-# (latency-bound: 53.5 vs 51.7 us, same tile), 1.23-1.25x at M = 2..8 (78.5 / 145.2 / 263.0 vs
+# (latency-bound: 53.4 vs 51.7 us at 5ce6f3e), 1.23-1.25x at M = 2..8 (78.8 / 145.2 / 263.0 vs
 # 96.8 / 177.6 / 328.6 us), but each 8-term word sum is rounded to fp16 once, and the MXFP8
 # rounding of FC1's output turns that into block rel L2 ~3e-3 against the exact path (MXFP8
 # activations themselves are ~4e-2 from bf16). On that run it broke the exact path's test rules:
