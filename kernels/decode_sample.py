@@ -31,8 +31,9 @@ digit; the sampling launch completes the last pass. Per step: KB / 4 top-k + KB 
 over the vocabulary, each a read of the rows' logits spread over the whole GPU, then the
 sampling launch and the final one: 8 + 2 = 10 launches for bf16 / fp16 logits, 16 + 2 = 18 for
 fp32 (the previous kernel ran 18 passes in one program per row: 5.7-5.8 ms at 1, 8 and 32 rows
-on an H200). The new kernels are tested under the Triton interpreter and compiled for sm_121a /
-sm_90a, not yet timed on a GPU. Two differences at the top-p boundary: sums run in another order
+on an H200). The new kernels are tested under the Triton interpreter, compiled for sm_121a /
+sm_90a, and ran on an H200 (574be8c, ``benchmarks/sample.py``): 65.8 / 102.0 / 256.0 us per step
+at 1 / 8 / 32 rows against 282.5 / 675.0 / 1,226.6 us for vLLM's top-k / top-p sampling ops. Two differences at the top-p boundary: sums run in another order
 than vLLM's cumsum (a token whose cumulative mass ties within rounding may go the other way), and
 a group of *equal* values straddling the cut is kept whole, where vLLM's sort keeps part of it in
 its own order (bf16 logits tie often: on bf16-rounded random logits the kernel kept ~0.2% more
