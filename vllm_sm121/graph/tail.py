@@ -34,7 +34,7 @@ SECTION_OPTION = '--additional-config \'{"sm121": {"cudagraph": "whole_model"}}\
 # (gpt-oss: 0.8 MB per row), so large decode batches keep stock's path.
 MAX_ROWS = 32
 # "1": the graph also samples unseeded temperature-only requests (kernels/decode_sample.py; opt-in);
-# "2": and those with top-k / top-p (the threshold kernel; CPU-tested only)
+# "2": and those with top-k / top-p (the radix threshold passes; opt-in)
 SAMPLE_ENV = "VLLM_SM121_GRAPH_SAMPLE"
 STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 WORKER = "vllm_sm121.graph.worker.WholeModelWorker"
