@@ -205,6 +205,10 @@ CONFIGS: tuple[Config, ...] = (
                              "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "sm121-all + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
+    Config("sm121-all-moe-pdl", {**SM121, "kv_cache_dtype": "nvfp4",
+                                 "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all-moe + the MoE's FC1 -> FC2 -> combine as programmatic dependent launches (opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_PDL", "1"))),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

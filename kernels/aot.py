@@ -226,6 +226,13 @@ def moe_specs(family: str) -> list[Spec]:
                             SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True),
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
+        if nt == 1:  # the opt-in programmatic-dependent-launch variants (VLLM_SM121_MOE_PDL=1)
+            for spec in specs[-2:]:
+                specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", PDL]",
+                                                 constexprs=dict(spec.constexprs, PDL=True)))
+            specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
+                              constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
+                              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
     # with bf16 input (MXFP8 round trip in registers) at the largest.
     tiles = [t for _, t in M.GROUPED_TILES[family]]

@@ -271,6 +271,20 @@ def fma_f16x2(t: torch.Tensor) -> bool:
     return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(FMA_F16X2_ENV, 0) != 0
 
 
+# Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
+# VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
+# drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
+# (``_moe_fma._pdl_wait_then_release``). Not yet timed: no GPU was left when it was written.
+PDL_ENV = "VLLM_SM121_MOE_PDL"
+
+
+def moe_pdl(t: torch.Tensor) -> dict:
+    """Launch options and the kernels' PDL flag for ``t``'s device: {} when off."""
+    if _platform.family_of(t) == _platform.INTERPRETER or V.env_int(PDL_ENV, 0) == 0:
+        return {}
+    return dict(PDL=True, launch_pdl=True)
+
+
 def _check_fma_tokens(m: int) -> None:
     if m > FMA_KERNEL_MAX_TOKENS:
         raise ValueError(f"the FMA decode kernels take at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
@@ -299,7 +313,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=min(tiles.fc1_kb // 16, triton.next_power_of_2(k // 32)),
             PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
-            HW_FP8=_gpu_flags(a)["HW_FP8"], num_warps=tiles.num_warps, num_stages=1)
+            HW_FP8=_gpu_flags(a)["HW_FP8"], num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -325,16 +339,17 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     split, gps = fc2_split_k(i, block_g, tiles.fc2_split)
     out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
     part = torch.empty(m * topk * split, hidden, dtype=torch.float32, device=h.device)
+    pdl = moe_pdl(h)
     if m:
         _moe_fc2_fma_kernel[(m * topk, -(-hidden // rows), split)](
             h.view(torch.uint8).view(torch.int32), h_scale, w2.view(torch.int32), w2_scale, bias, topk_ids,
             topk_weights, part, m, E=e, H=hidden, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
             BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1,
-            F16X2=fma_f16x2(h), num_warps=warps, num_stages=1)
+            F16X2=fma_f16x2(h), num_warps=warps, num_stages=1, **pdl)
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,
-                                                      num_warps=4)
+                                                      num_warps=4, **pdl)
     return out
 
 

@@ -347,6 +347,50 @@ def test_fma_path_gpt_oss_shapes_on_gpu(model, experts, m):
     assert torch.equal(out_g, out)
 
 
+def test_pdl_option_is_gpu_only_and_validated(monkeypatch):
+    from vllm_sm121.kernels import moe as K
+
+    cpu = torch.zeros(1)
+    monkeypatch.setenv(K.PDL_ENV, "1")
+    assert K.moe_pdl(cpu) == {}  # the interpreter has no programmatic dependent launch
+    monkeypatch.setenv(K.PDL_ENV, "yes")
+    monkeypatch.setattr(K._platform, "family_of", lambda t: K._platform.SM90)
+    with pytest.raises(ValueError, match="VLLM_SM121_MOE_PDL"):
+        K.moe_pdl(cpu)
+    monkeypatch.setenv(K.PDL_ENV, "1")
+    assert K.moe_pdl(cpu) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(K.PDL_ENV, "0")
+    assert K.moe_pdl(cpu) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_fma_pdl_launches_equal_plain_launches_on_gpu(m, monkeypatch):
+    """$VLLM_SM121_MOE_PDL=1 (FC1 -> FC2 -> combine as programmatic dependent launches, FC2's
+    routing read before its wait) computes exactly what plain launches do, eagerly and replayed
+    from a CUDA graph, at gpt-oss-120b shapes, also with FC2's first weights prefetched before the
+    wait (fc2 stages 2)."""
+    from vllm_sm121.kernels import moe as K
+
+    args = _gpt_oss_layer(128, seed=60 + m)
+    g = torch.Generator().manual_seed(61 + m)
+    x = torch.randn(m, 2880, generator=g).bfloat16().cuda()
+    logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
+    for tiles in ("", "64,256,32,256,4,1,4,2"):
+        monkeypatch.setenv(K.FMA_TILES_ENV, tiles)
+        monkeypatch.setenv(K.PDL_ENV, "0")
+        plain = K.moe_block(x, logits, *args, 4, path="fma")
+        monkeypatch.setenv(K.PDL_ENV, "1")
+        eager = K.moe_block(x, logits, *args, 4, path="fma")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = K.moe_block(x, logits, *args, 4, path="fma")
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(eager, plain) and torch.equal(out_g, plain), tiles
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
 def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):

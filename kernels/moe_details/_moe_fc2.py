@@ -10,6 +10,7 @@ atomics, no zero fill) and rounds once to bf16.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kv_cache_details._codecs import to_bf16_rne
 from ._mx import mx_dot_wa, routed_tokens
@@ -78,7 +79,11 @@ def _moe_combine_kernel(
     H: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # a programmatic dependent of the FC2 launch (the FMA path, opt-in)
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H

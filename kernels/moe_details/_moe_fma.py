@@ -41,6 +41,7 @@ Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions pe
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte
 from ._mx import mxfp8_quantize_rows_fast, routed_tokens
@@ -111,6 +112,16 @@ def _dot8_f16(p0, p1, p2, p3, a0, a1, a2, a3):
 
 
 @triton.jit
+def _pdl_wait_then_release():
+    """Programmatic dependent launch (``PDL``): wait until the previous kernel in the stream has
+    finished and its writes are visible, then let the next one launch (its pre-wait prologue may
+    overlap this kernel). Everything a PDL kernel does before this call reads only memory that no
+    kernel still running can write (weights, and routing written two launches back)."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+@triton.jit
 def _user(uses, slot, offs_t, U: tl.constexpr):
     """The U-th token (in token order) routed to the program's expert, as scalars: (exists,
     token, its first slot there). User 0 always exists (the program's own slot routes there)."""
@@ -152,7 +163,7 @@ def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c
 @triton.jit
 def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0, r1, r2, r3, u1, u2, u3,
                  g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr):
+                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr, PDL: tl.constexpr = False):
     """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
     up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
     over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
@@ -176,6 +187,8 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
     if PREFETCH:
         w_nxt = tl.load(w_base + g_lo * 4, mask=rows_ok[:, None] & (g_lo * 4 + offs_c[None, :] < K // 8), other=0)
         ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
+    if PDL:  # the weights (never written) are in flight: now wait for the previous kernel's activations
+        _pdl_wait_then_release()
     for gi in range(0, G_RANGE, BLOCK_G):
         g0 = g_lo + gi
         g_ok = g0 + offs_g < K // 32
@@ -257,7 +270,10 @@ def _moe_fc1_swiglu_fma_kernel(
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the routing (GPU, opt-in)
 ):
+    if PDL:  # the routing and the activations come from the previous launch: nothing to do before
+        _pdl_wait_then_release()
     p = tl.program_id(0)
     if p >= M * TOPK:
         return
@@ -329,9 +345,10 @@ def _moe_fc2_fma_kernel(
     GPS: tl.constexpr,  # 32-value groups per split: a multiple of BLOCK_G, SPLIT * GPS >= I / 32
     PREFETCH: tl.constexpr,
     F16X2: tl.constexpr,
+    PDL: tl.constexpr = False,  # a programmatic dependent of FC1: routing + first weights before the wait
 ):
     p = tl.program_id(0)
-    if p >= M * TOPK:
+    if p >= M * TOPK:  # (a program that exits releases the next launch as a wait would)
         return
     expert, first, uses, slot, hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
     if not first:
@@ -351,7 +368,7 @@ def _moe_fc2_fma_kernel(
     w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: read row H-1, never stored
     y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
-                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
+                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL)
     bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     if SPLIT > 1:
         bias = tl.where(split == 0, bias, 0.0)  # the bias goes into split 0's partial only
