@@ -37,6 +37,12 @@ fixed order by ``_moe_combine_kernel``: deterministic.
 Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions per weight value
 (3 integer for the decode, 1 FFMA, the rest activation decode / scales / addressing). Everything is plain loads, integer/fp32 arithmetic and ``tl.sum``
 (+ the e4m3 ``cvt`` of the FC1 epilogue when HW_FP8): no MMA, nothing sm_90-only.
+
+Opt-ins (GPU only, ``kernels/moe.py``): F16X2, packed fp16 products (``_e2m1_pairs_f16``,
+``_e4m3_pairs_f16``, ``_dot8_f16``: ~3.1 instructions per weight value, each word's 8-term sum
+rounded to fp16 once); PDL, programmatic dependent launch of FC1 -> FC2 -> combine
+(``_pdl_wait_then_release``: FC1 waits first thing, FC2 after its routing and any prefetched
+first weights).
 """
 
 import triton
