@@ -26,7 +26,7 @@ from .decode_inputs_details._decode_inputs import _advance_decode_inputs_kernel
 
 PAD_SLOT_ID = -1
 BLOCK = 128
-MAX_PATCHES = 128  # block-table entries one launch writes (the runner's PATCHES)
+MAX_PATCHES = 128  # block-table entries one launch writes (the whole-model runner's budget per steady step)
 
 
 def _check(tokens, num_reqs, input_ids, positions, seq_lens, groups, rows):

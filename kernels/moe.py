@@ -274,7 +274,7 @@ def fma_f16x2(t: torch.Tensor) -> bool:
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
-# (``_moe_fma._pdl_wait_then_release``). Not yet timed: no GPU was left when it was written.
+# (``_mx.pdl_wait_then_release``). Not yet timed: no GPU was left when it was written.
 PDL_ENV = "VLLM_SM121_MOE_PDL"
 
 

@@ -10,10 +10,9 @@ atomics, no zero fill) and rounds once to bf16.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kv_cache_details._codecs import to_bf16_rne
-from ._mx import mx_dot_wa, routed_tokens
+from ._mx import mx_dot_wa, pdl_wait_then_release, routed_tokens
 
 
 @triton.jit
@@ -82,8 +81,7 @@ def _moe_combine_kernel(
     PDL: tl.constexpr = False,  # a programmatic dependent of the FC2 launch (the FMA path, opt-in)
 ):
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_wait_then_release()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H

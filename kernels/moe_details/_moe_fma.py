@@ -41,16 +41,15 @@ Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions pe
 Opt-ins (GPU only, ``kernels/moe.py``): F16X2, packed fp16 products (``_e2m1_pairs_f16``,
 ``_e4m3_pairs_f16``, ``_dot8_f16``: ~3.1 instructions per weight value, each word's 8-term sum
 rounded to fp16 once); PDL, programmatic dependent launch of FC1 -> FC2 -> combine
-(``_pdl_wait_then_release``: FC1 waits first thing, FC2 after its routing and any prefetched
+(``_mx.pdl_wait_then_release``: FC1 waits first thing, FC2 after its routing and any prefetched
 first weights).
 """
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte
-from ._mx import mxfp8_quantize_rows_fast, routed_tokens
+from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens
 
 E2M1_MASK = tl.constexpr(-2118123520)  # 0x81C00000 as int32: sign bit + fp32 bits 24..22
 TWO_127 = tl.constexpr(1.7014118346046923e38)  # 2**127
@@ -115,16 +114,6 @@ def _dot8_f16(p0, p1, p2, p3, a0, a1, a2, a3):
         mov.b32 {x, y}, s; add.rn.f16 x, x, y; cvt.f32.f16 $0, x; }""",
         constraints="=f,r,r,r,r,r,r,r,r", args=[p0, p1, p2, p3, a0, a1, a2, a3], dtype=tl.float32,
         is_pure=True, pack=1)
-
-
-@triton.jit
-def _pdl_wait_then_release():
-    """Programmatic dependent launch (``PDL``): wait until the previous kernel in the stream has
-    finished and its writes are visible, then let the next one launch (its pre-wait prologue may
-    overlap this kernel). Everything a PDL kernel does before this call reads only memory that no
-    kernel still running can write (weights, and routing written two launches back)."""
-    gdc_wait()
-    gdc_launch_dependents()
 
 
 @triton.jit
@@ -194,7 +183,7 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
         w_nxt = tl.load(w_base + g_lo * 4, mask=rows_ok[:, None] & (g_lo * 4 + offs_c[None, :] < K // 8), other=0)
         ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
     if PDL:  # the weights (never written) are in flight: now wait for the previous kernel's activations
-        _pdl_wait_then_release()
+        pdl_wait_then_release()
     for gi in range(0, G_RANGE, BLOCK_G):
         g0 = g_lo + gi
         g_ok = g0 + offs_g < K // 32
@@ -279,7 +268,7 @@ def _moe_fc1_swiglu_fma_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the routing (GPU, opt-in)
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
-        _pdl_wait_then_release()
+        pdl_wait_then_release()
     p = tl.program_id(0)
     if p >= M * TOPK:
         return

@@ -9,6 +9,7 @@ is read as 2**-126 (only all-zero blocks use it).
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kv_cache_details._codecs import _pow2, e2m1_decode, e4m3_encode, mxfp8_block_scale, mxfp8_quantize_rows
 
@@ -191,3 +192,13 @@ def routed_tokens(topk_ids_ptr, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, T
     uses = tl.max(hit.to(tl.int32), axis=1) > 0
     slot = tl.min(tl.where(hit, offs_j[None, :], TOPK_PAD), axis=1)
     return expert.to(tl.int64), first, uses, slot, hit
+
+
+@triton.jit
+def pdl_wait_then_release():
+    """Programmatic dependent launch (``PDL``): wait until the previous kernel in the stream has
+    finished and its writes are visible, then let the next one launch (its pre-wait prologue may
+    overlap this kernel). Everything a PDL kernel does before this call reads only memory that no
+    kernel still running can write (weights, and routing written two launches back)."""
+    gdc_wait()
+    gdc_launch_dependents()

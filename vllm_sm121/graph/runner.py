@@ -42,7 +42,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SamplerOu
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_sm121.kernels import decode_sample
-from vllm_sm121.kernels.decode_inputs import advance_decode_inputs
+from vllm_sm121.kernels.decode_inputs import MAX_PATCHES, advance_decode_inputs
 
 from . import steady
 from .tail import (MAX_ROWS, SAMPLE_ENV, SECTION_OPTION, DecodeTail, covers, current_context, ineligible_reason,
@@ -61,9 +61,11 @@ class StepGraphWrapper(CUDAGraphWrapper):
 # Pinned host slots for the steady steps' tokens: a slot is rewritten RING steps later, and vLLM's
 # engine keeps at most 2 steps in flight (async scheduling's batch queue) before reading one.
 RING = 8
-# Block-table entries one steady step may write through the input kernel (unless $VLLM_SM121_GRAPH_PATCH_PAGES=0):
-# a new page per row and group (more only with hybrid block sizes; beyond this, stock's upload).
-PATCHES = 2 * MAX_ROWS * steady.MAX_KV_GROUPS  # = kernels/decode_inputs.py MAX_PATCHES
+# Block-table entries one steady step may write through the input kernel (unless
+# $VLLM_SM121_GRAPH_PATCH_PAGES=0): the kernel's limit, room for two new pages per row and group
+# (more only with hybrid block sizes; beyond this, stock's upload).
+PATCHES = MAX_PATCHES
+assert PATCHES >= 2 * MAX_ROWS * steady.MAX_KV_GROUPS
 
 
 class _TokensOutput(AsyncModelRunnerOutput):
