@@ -364,6 +364,36 @@ def test_worker_builds_the_runner_subclass_and_restores_the_module(monkeypatch):
         w.init_device()
 
 
+def test_worker_exposes_every_runner_rpc_the_tests_call():
+    """``LLM.collective_rpc`` calls the worker, not the runner: each ``sm121_*`` method the GPU tests
+    call must be forwarded (a missing one failed only on the GPU)."""
+    import re
+    from pathlib import Path
+
+    from vllm_sm121.graph import worker as W
+    from vllm_sm121.graph.runner import WholeModelRunner
+
+    called = set()
+    for f in Path(__file__).parent.glob("test_*.py"):
+        called |= set(re.findall(r"collective_rpc\(\s*\"(sm121_\w+)\"", f.read_text()))
+    assert "sm121_graph_enable" in called
+    for name in sorted(called):
+        assert hasattr(WholeModelRunner, name), name
+        assert name in vars(W.WholeModelWorker), f"WholeModelWorker does not forward {name}"
+
+    class Runner:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda *a: self.calls.append((name, a))
+
+    w = object.__new__(W.WholeModelWorker)
+    w.model_runner = Runner()
+    w.sm121_graph_enable(False)
+    assert w.model_runner.calls == [("sm121_graph_enable", (False,))]
+
+
 def test_runner_reason_sees_plugin_logits_processors_and_thinking_budgets():
     from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
 

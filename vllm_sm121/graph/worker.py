@@ -40,3 +40,8 @@ class WholeModelWorker(Worker):
     def sm121_graph_verify(self, on: bool = True) -> None:
         """For ``LLM.collective_rpc("sm121_graph_verify", args=(True,))``: see the runner."""
         self.model_runner.sm121_graph_verify(on)
+
+    def sm121_graph_enable(self, on: bool = True) -> None:
+        """For ``LLM.collective_rpc("sm121_graph_enable", args=(False,))``: the mode off / on at run
+        time (see the runner)."""
+        self.model_runner.sm121_graph_enable(on)
