@@ -111,6 +111,9 @@ def parse_args(argv=None):
                          "(the grouped path's tile map, BLOCK_M of the tile table)")
     ap.add_argument("--grouped-tiles", default="",
                     help="grouped (prefill) tile sweep: 'bm,bn,bk,warps,stages;...'")
+    ap.add_argument("--in-graph", type=int, default=0, metavar="N",
+                    help="time N (L2 flush, call) pairs in one graph minus N flushes (no host launch latency "
+                         "in the numbers); 0 (default): one call per graph replay, host launch latency included")
     ap.add_argument("--out", default=str(REPO_ROOT / "results" / "moe.json"))
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter, tiny shapes: ours run, upstream providers config only")
@@ -322,6 +325,21 @@ def make_provider(provider: str, args, weights: dict, device):
 
 # ---- timing -------------------------------------------------------------------------------------
 
+# --in-graph N: time N (L2 flush, call) pairs captured in one graph, minus a graph of N flushes,
+# per call: no host launch latency between the events (a one-launch graph's replay waits ~5-8 us
+# for the host to submit it, which a layer inside the model's graph never does). 0: one call per replay.
+IN_GRAPH = 0
+
+
+def _replay_us(graph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def time_graph(fn, reps: int, flush: torch.Tensor) -> tuple[list[float], torch.Tensor]:
     out = fn()  # warm up (compiles / autotunes)
     torch.cuda.synchronize()
@@ -332,6 +350,17 @@ def time_graph(fn, reps: int, flush: torch.Tensor) -> tuple[list[float], torch.T
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    if IN_GRAPH:
+        pairs, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(pairs):
+            for _ in range(IN_GRAPH):
+                flush.zero_()
+                fn()
+        with torch.cuda.graph(flushes):
+            for _ in range(IN_GRAPH):
+                flush.zero_()
+        _replay_us(pairs), _replay_us(flushes)
+        return [(_replay_us(pairs) - _replay_us(flushes)) / IN_GRAPH for _ in range(reps)], out
     times = []
     for _ in range(reps):
         flush.zero_()
@@ -563,8 +592,12 @@ def main(argv=None) -> int:
     weights = make_weights(args, device)
     copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
     head = header(device, copy_gbps)
+    global IN_GRAPH
+    IN_GRAPH = args.in_graph
+    head["timing"] = (f"in-graph: {IN_GRAPH} (L2 flush, call) pairs in one graph minus {IN_GRAPH} flushes, per call"
+                      if IN_GRAPH else "one call per graph replay after an L2 flush (host launch latency included)")
     print(f"device {head['device']}  copy bandwidth {copy_gbps or float('nan'):.0f} GB/s  commit {head['commit']}  "
-          f"shape H={args.hidden} I={args.inter} E={args.experts} top{args.topk}")
+          f"shape H={args.hidden} I={args.inter} E={args.experts} top{args.topk}  timing: {head['timing']}")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     providers = {}
     for p in args.providers:

@@ -213,12 +213,15 @@ def moe_specs(family: str) -> list[Spec]:
         fma = M.FMA_TILES[(family, min(nt, 2))]
         fc2_warps, fc2_stages = fma.fc2_launch()
         split, gps = M.fc2_split_k(2880, fma.fc2_kb // 16, fma.fc2_split)
+        split1, gps1 = M.fc2_split_k(2880, fma.fc1_kb // 16, fma.fc1_split)
         common = dict(E=128, TOPK=4, TOPK_PAD=4, NT=nt, BLOCK_T=triton.next_power_of_2(nt))
         specs.append(Spec(
             name=f"moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M{nt}]", fn=_moe_fc1_swiglu_fma_kernel,
             constexprs=dict(common, K=2880, I=2880, BLOCK_R=fma.fc1_rows, BLOCK_G=fma.fc1_kb // 16,
-                            PREFETCH=fma.num_stages > 1, F16X2=True, ALPHA=1.702, LIMIT=7.0, HW_FP8=True),
-            ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8"),
+                            PREFETCH=fma.num_stages > 1, F16X2=True, ALPHA=1.702, LIMIT=7.0, HW_FP8=True,
+                            SPLIT=split1, GPS=gps1),
+            ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8",
+                           cnt_ptr="*i32"),
             num_warps=fma.num_warps))
         specs.append(Spec(
             name=f"moe_fc2_fma[gpt-oss H2880 I2880 top4, M{nt}]", fn=_moe_fc2_fma_kernel,

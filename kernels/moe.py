@@ -185,6 +185,7 @@ class FmaTiles:
     fc2_num_warps: int | None = None  # None: num_warps
     fc2_num_stages: int | None = None  # None: num_stages
     fc2_split: int = 1  # FC2 split-K: fp32 partials per (token, slot, split), summed in order by the combine
+    fc1_split: int = 1  # FC1 split-K: fp32 partials per (tile, split), summed in order by the last split to finish
 
     def __post_init__(self):
         def pow2(v):
@@ -196,17 +197,17 @@ class FmaTiles:
         for w in (self.num_warps, self.fc2_num_warps):
             if w is not None and w not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{self}: num_warps must be a power of two <= 32")
-        if not 1 <= self.fc2_split <= 16:
-            raise ValueError(f"{self}: fc2_split must be in 1..16")
+        if not (1 <= self.fc2_split <= 16 and 1 <= self.fc1_split <= 16):
+            raise ValueError(f"{self}: fc2_split and fc1_split must be in 1..16")
 
     @classmethod
     def parse(cls, text: str) -> FmaTiles:
-        """"fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]" (the env
-        format; fc2_warps / fc2_stages 0: as warps / stages)."""
+        """"fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]]"
+        (the env format; fc2_warps / fc2_stages 0: as warps / stages)."""
         vals = [int(v) for v in text.replace(" ", "").split(",") if v]
-        if len(vals) not in (6, 8, 9):
+        if len(vals) not in (6, 8, 9, 10):
             raise ValueError(f"{FMA_TILES_ENV}={text!r}: expected fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
-                             "[,fc2_warps,fc2_stages[,fc2_split]]")
+                             "[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]]")
         if len(vals) > 6:
             vals[6] = vals[6] or None
             vals[7] = vals[7] or None
@@ -214,9 +215,11 @@ class FmaTiles:
 
     def spec(self) -> str:
         s = f"{self.fc1_rows},{self.fc1_kb},{self.fc2_rows},{self.fc2_kb},{self.num_warps},{self.num_stages}"
-        if self.fc2_num_warps or self.fc2_num_stages or self.fc2_split > 1:
+        if self.fc2_num_warps or self.fc2_num_stages or self.fc2_split > 1 or self.fc1_split > 1:
             s += f",{self.fc2_num_warps or 0},{self.fc2_num_stages or 0}"
-        return s + (f",{self.fc2_split}" if self.fc2_split > 1 else "")
+        if self.fc2_split > 1 or self.fc1_split > 1:
+            s += f",{self.fc2_split}"
+        return s + (f",{self.fc1_split}" if self.fc1_split > 1 else "")
 
     def fc2_launch(self) -> tuple[int, int]:
         return self.fc2_num_warps or self.num_warps, self.fc2_num_stages or self.num_stages
@@ -306,15 +309,45 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
     tiles = tiles or fma_tiles(a, m)
     rows = tiles.fc1_rows
+    block_g = min(tiles.fc1_kb // 16, triton.next_power_of_2(k // 32))
+    split, gps = fc2_split_k(k, block_g, tiles.fc1_split)  # (the same whole-step cut of K as FC2's)
+    n_tiles = -(-2 * i // rows)
+    if split > 1:
+        ws = torch.empty(m * topk * n_tiles * split * m * rows, dtype=torch.float32, device=a.device)
+        cnt = split_counters(a.device, m * topk * n_tiles)
+    else:
+        ws = cnt = out  # unused
     if m:
-        _moe_fc1_swiglu_fma_kernel[(m * topk, -(-2 * i // rows))](
+        _moe_fc1_swiglu_fma_kernel[(m * topk, n_tiles, split)](
             a.view(torch.uint8).view(torch.int32), a_scale, w13.view(torch.int32), w13_scale, bias, topk_ids, out,
-            out_scale, m, E=e, K=k, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
-            BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
-            BLOCK_G=min(tiles.fc1_kb // 16, triton.next_power_of_2(k // 32)),
+            out_scale, ws, cnt, m, E=e, K=k, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
+            BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows, BLOCK_G=block_g,
             PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
-            HW_FP8=_gpu_flags(a)["HW_FP8"], num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a))
+            HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, num_warps=tiles.num_warps, num_stages=1,
+            **moe_pdl(a))
     return out.view(torch.float8_e4m3fn), out_scale
+
+
+# Split-K arrival counters of the FMA FC1 (``_moe_fma._split_fixup``), one int32 per (slot, row
+# tile), per device: zero between launches (the last split of a tile resets its own), so one
+# zeroed buffer serves every layer and every graph replay. Two FC1 launches must not run at once
+# on one device (vLLM 0.26 runs a model's MoE layers one after another on one stream). Allocated
+# outside graph captures: the plugin's MoE method allocates it when its weights are processed
+# (``vllm_sm121/moe/method.py``); SPLIT_COUNTERS_MIN covers M <= 4 of any gpt-oss shape.
+_SPLIT_COUNTERS: dict[str, torch.Tensor] = {}
+SPLIT_COUNTERS_MIN = 1 << 14
+
+
+def split_counters(device: torch.device, n: int = SPLIT_COUNTERS_MIN) -> torch.Tensor:
+    key = str(device)
+    buf = _SPLIT_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the FMA MoE's FC1 split-K counters for {n} tiles were first needed inside a CUDA "
+                               "graph capture; run the layer once eagerly at that batch size first (vLLM does)")
+        buf = torch.zeros(max(n, SPLIT_COUNTERS_MIN), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[key] = buf
+    return buf
 
 
 def fc2_split_k(i: int, block_g: int, want: int) -> tuple[int, int]:

@@ -149,6 +149,8 @@ def _fc1_case(m, k, i, e, topk, seed):
     (2, 64, 64, 4, 3, None),
     (3, 192, 96, 8, 4, "128,64,16,32,4,2"),  # 2 K steps (last one half masked), rows past 2I masked, prefetch
     (4, 64, 64, 4, 4, "64,16,32,16,2,2"),  # every token shares expert ids[0, 0]
+    (2, 192, 64, 4, 3, "64,16,32,16,2,1,0,0,1,3"),  # FC1 split-K: 3 splits of 2 one-group steps
+    (4, 192, 96, 4, 4, "64,32,32,16,2,2,0,0,1,2"),  # 2 splits of 2 + 1 two-group steps, prefetch
 ])
 def test_fma_fc1_matches_reference(device, m, k, i, e, topk, tiles):
     from vllm_sm121.kernels.moe import FmaTiles, moe_fc1_swiglu_fma
@@ -191,6 +193,25 @@ def test_fma_fc2_matches_reference(device, m, hidden, i, e, topk, tiles):
     torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=1e-5)  # as test_fc2_combine_matches_reference
 
 
+def test_fma_fc1_split_k_is_deterministic_and_leaves_its_counters_at_zero(device):
+    """FC1 split-K sums its partials in split order in whichever split arrives last, and that
+    split resets the tile's counter: a second launch (as a CUDA graph replays one) gives the same
+    bits, an unsplit launch the same values up to fp32 summation order, and the counters are 0."""
+    from vllm_sm121.kernels.moe import FmaTiles, moe_fc1_swiglu_fma, split_counters
+
+    m, k, i, e, topk = 3, 192, 64, 4, 2
+    _x, a, a_scale, w13, w13_scale, bias, ids = _fc1_case(m, k, i, e, topk, seed=41)
+    dev = lambda t: t.to(device)  # noqa: E731
+    args = [dev(t) for t in (a, a_scale, w13, w13_scale, bias, ids)]
+    split = FmaTiles.parse("64,16,32,16,2,1,0,0,1,3")
+    q1, s1 = moe_fc1_swiglu_fma(*args, split)
+    q2, s2 = moe_fc1_swiglu_fma(*args, split)
+    assert torch.equal(q1.view(torch.uint8).cpu(), q2.view(torch.uint8).cpu()) and torch.equal(s1.cpu(), s2.cpu())
+    assert int(split_counters(args[0].device).abs().sum()) == 0
+    q0, s0 = moe_fc1_swiglu_fma(*args, FmaTiles.parse("64,16,32,16,2,1"))
+    _assert_mxfp8_close(q1, s1, q0.cpu(), s0.cpu())
+
+
 def test_fma_block_matches_decode_path_with_repeated_and_garbage_ids(device):
     """A token routed twice to one expert (garbage ids, clamped into [0, E)): the FMA kernels
     follow the decode kernels' convention (FC1 writes the first slot, FC2 sums the repeated
@@ -224,6 +245,8 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     assert t8.fc2_launch() == (4, 2) and K.FmaTiles.parse(t8.spec()) == t8
     t9 = K.FmaTiles.parse("64,256,32,256,8,2,0,0,3")
     assert t9.fc2_launch() == (8, 2) and t9.fc2_split == 3 and K.FmaTiles.parse(t9.spec()) == t9
+    t10 = K.FmaTiles.parse("64,256,32,256,4,1,0,0,1,3")
+    assert t10.fc1_split == 3 and t10.fc2_split == 1 and K.FmaTiles.parse(t10.spec()) == t10
     assert K.fc2_split_k(2880, 16, 1) == (1, 96) and K.fc2_split_k(2880, 16, 2) == (2, 48)
     assert K.fc2_split_k(2880, 16, 8) == (6, 16)  # whole K steps per split, no empty split
     for bad in ("32,256,32,256,8,1", "64,100,32,256,8,1", "64,256,32,256,3,1", "64,256,32", "64,8,32,256,8,1",
@@ -423,7 +446,8 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", ["64,256,32,256,8,1", "64,128,16,128,4,2", "128,512,64,512,8,2,4,1",
-                                   "64,64,16,64,2,2", "64,256,32,256,4,1,4,1,2", "64,256,32,128,8,2,4,2,4"])
+                                   "64,64,16,64,2,2", "64,256,32,256,4,1,4,1,2", "64,256,32,128,8,2,4,2,4",
+                                   "64,256,32,256,4,1,4,1,3,3", "64,256,32,256,8,2,8,2,2,6"])
 def test_fma_tiles_on_gpu(tiles, monkeypatch):
     """Every tile shape the sweep may pick gives the same block output at gpt-oss-120b shapes
     (only the fp32 summation order differs)."""

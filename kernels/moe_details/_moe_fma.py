@@ -241,6 +241,48 @@ def _fc1_epilogue(h, use, tok, slot, bias, nb, out_ptr, out_scale_ptr, I: tl.con
 
 
 @triton.jit
+def _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT: tl.constexpr, BLOCK_R: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """Split-K without a second launch: each split of ``tile`` writes its partial dot products (NT
+    tokens x BLOCK_R rows, fp32) to the workspace, then counts itself in on the tile's counter
+    (after a CTA barrier, one acq_rel atomic at GPU scope: the barrier orders every thread's
+    stores before it, the release publishes them). The split that arrives last reads all SPLIT
+    partials back (L2, ``.cg``: never a stale L1 line), sums them in split order (deterministic:
+    the same sums whichever split is last), resets the counter for the next launch (a CUDA graph
+    replays this launch) and returns last = True; the others return False and exit.
+    Returns (last, h0..h3)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    base = ws_ptr + tile.to(tl.int64) * (SPLIT * NT * BLOCK_R)
+    mine = base + split * (NT * BLOCK_R) + offs_r
+    tl.store(mine, h0)
+    if NT > 1:
+        tl.store(mine + BLOCK_R, h1)
+    if NT > 2:
+        tl.store(mine + 2 * BLOCK_R, h2)
+    if NT > 3:
+        tl.store(mine + 3 * BLOCK_R, h3)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT - 1
+    if last:
+        tl.store(cnt_ptr + tile, 0)
+        h0 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        h1 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        h2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        h3 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            part = base + s * (NT * BLOCK_R) + offs_r
+            h0 += tl.load(part, cache_modifier=".cg")
+            if NT > 1:
+                h1 += tl.load(part + BLOCK_R, cache_modifier=".cg")
+            if NT > 2:
+                h2 += tl.load(part + 2 * BLOCK_R, cache_modifier=".cg")
+            if NT > 3:
+                h3 += tl.load(part + 3 * BLOCK_R, cache_modifier=".cg")
+    return last, h0, h1, h2, h3
+
+
+@triton.jit
 def _moe_fc1_swiglu_fma_kernel(
     a_ptr,  # [M, K / 4] int32: MXFP8 e4m3 activations viewed as words
     a_scale_ptr,  # [M, K / 32] uint8 e8m0
@@ -250,6 +292,8 @@ def _moe_fc1_swiglu_fma_kernel(
     topk_ids_ptr,  # [M, TOPK] int32
     out_ptr,  # [M * TOPK, I] uint8 e4m3: SwiGLU output (MXFP8), row = token * TOPK + slot
     out_scale_ptr,  # [M * TOPK, I / 32] uint8 e8m0
+    ws_ptr,  # SPLIT > 1: [M * TOPK, 2I / BLOCK_R, SPLIT, NT, BLOCK_R] fp32 partial dot products
+    cnt_ptr,  # SPLIT > 1: [M * TOPK * 2I / BLOCK_R] int32 arrival counters, zero before and after each launch
     M,  # tokens (<= NT)
     E: tl.constexpr,
     K: tl.constexpr,  # multiple of 64
@@ -266,6 +310,8 @@ def _moe_fc1_swiglu_fma_kernel(
     LIMIT: tl.constexpr,
     HW_FP8: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the routing (GPU, opt-in)
+    SPLIT: tl.constexpr = 1,  # K splits (grid axis 2); the last split of a tile to finish does the epilogue
+    GPS: tl.constexpr = 0,  # 32-value groups per split: a multiple of BLOCK_G, SPLIT * GPS >= K / 32 (0: K / 32)
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
         pdl_wait_then_release()
@@ -284,8 +330,17 @@ def _moe_fc1_swiglu_fma_kernel(
     rows = nb * BLOCK_R + tl.arange(0, BLOCK_R)  # interleaved: 2i gate, 2i+1 up
     row_ok = rows < 2 * I
     w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)  # rows past 2I: read row 2I-1, never stored
-    h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
-                                  u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
+    if SPLIT == 1:
+        h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
+                                      u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
+    else:
+        split = tl.program_id(2)
+        h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
+                                      u1, u2, u3, split * GPS, GPS, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
+        tile = p * tl.num_programs(1) + nb
+        last, h0, h1, h2, h3 = _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT, BLOCK_R, SPLIT)
+        if not last:
+            return
     bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     _fc1_epilogue(h0, u0, t0, s0, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
     if NT > 1:

@@ -162,6 +162,10 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
                 raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(p.shape)} {p.dtype}")
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
+        if layer.w13_weight.is_cuda:  # the FMA FC1's split-K counters, before any graph capture
+            from vllm_sm121.kernels.moe import split_counters
+
+            split_counters(layer.w13_weight.device)
         emap = local_expert_map(layer)
         if emap is not None and (emap.dtype != torch.int32 or emap.shape != (self.moe.num_experts,)):
             raise ValueError(f"expert_map: expected int32 [{self.moe.num_experts}] (global -> local expert), got "
