@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--ncu", action="store_true", help="3 launches of each kernel, no timing (run under ncu)")
+    ap.add_argument("--no-stream", dest="stream", action="store_false", help="only the shipped FMA kernels")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
         fc1_bytes = nexp * (2 * i * (h // 2 + h // 32))
         fc2_bytes = nexp * (h * (i // 2 + i // 32))
         uniq = torch.tensor(sorted(set(slots.tolist())), dtype=torch.int32, device=dev)
-        for what, w, rows_total, kw, nbytes in (("fc1", w13, 2 * i, h // 8, fc1_bytes), ("fc2", w2, h, i // 8, fc2_bytes)):
+        for what, w, rows_total, kw, nbytes in (("fc1", w13, 2 * i, h // 8, fc1_bytes), ("fc2", w2, h, i // 8, fc2_bytes))[
+                :2 if args.stream else 0]:
             wi = w.view(torch.int32)
             for split in [int(x) for x in args.splits.split(",")]:
                 for warps in [int(x) for x in args.warps.split(",")]:

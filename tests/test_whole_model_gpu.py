@@ -120,9 +120,9 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
             out[f"seeded{rep}"] = _gen_seeded(llm)
         if whole_model:
             # one engine, one compiled model: greedy and logprob batches with the mode on, then with it
-            # switched off at run time (sm121_graph_enable), each from a cold prefix cache so that both
-            # prefill alike; the same backend's run-to-run spread is 0, so the outputs must be equal
-            for tag, enabled in (("one_on", True), ("one_off", False)):
+            # switched off at run time (sm121_graph_enable), each from a cold prefix cache, twice in
+            # turn (on, off, on, off): on vs off is judged by this engine's own run-to-run spread
+            for tag, enabled in (("one_on", True), ("one_off", False), ("one_on2", True), ("one_off2", False)):
                 llm.collective_rpc("sm121_graph_enable", args=(enabled,))
                 assert llm.reset_prefix_cache()
                 toks, vals = [], []
@@ -218,18 +218,40 @@ def test_graph_tokens_equal_stock_tokens_on_the_same_logits(runs):
     _assert_verified(on)
 
 
-def test_mode_on_and_off_in_one_engine_agree_exactly(runs):
-    """Issue 7's numerics criterion where it is measurable: two engines compile the model apart
-    and already differ in the prefill (test above), so the comparison runs in one engine, the mode
-    switched off at run time: greedy tokens and every logprob (prefill and decode) must be equal."""
-    a, b = runs["on"]["one_on"], runs["on"]["one_off"]
-    flat = lambda x: [v for seqs in x for seq in seqs for v in seq]  # noqa: E731
-    va, vb = flat(a["values"]), flat(b["values"])
-    print(f"\none engine, mode on vs switched off: greedy {sum(x == y for x, y in zip(flat(a['greedy']), flat(b['greedy'])))}"
-          f"/{len(flat(a['greedy']))} tokens equal; logprob batches {sum(x == y for x, y in zip(va, vb))}/{len(va)}"
-          f" logprobs exactly equal, max |delta| {max((abs(x - y) for x, y in zip(va, vb)), default=0):.3g}")
-    assert a["greedy"] == b["greedy"] and a["logprobs"] == b["logprobs"]
-    assert va == vb and len(va) == sum(SIZES) * GEN
+def _passes_gap(a, b) -> dict:
+    """Two passes of the one-engine comparison: greedy sequences identical, and the teacher-forced
+    logprobs of the logprob batches up to each sequence's first differing token (the same token on
+    the same context): how many, how many exactly equal, max |delta|."""
+    greedy = [(x, y) for ga, gb in zip(a["greedy"], b["greedy"]) for x, y in zip(ga, gb)]
+    n = equal = 0
+    gap = 0.0
+    for ta, tb, va, vb in zip(a["logprobs"], b["logprobs"], a["values"], b["values"]):
+        for xa, xb, la, lb in zip(ta, tb, va, vb):
+            same = next((i for i, (p, q) in enumerate(zip(xa, xb)) if p != q), len(xa))
+            d = [abs(p - q) for p, q in zip(la[:same], lb[:same])]
+            n, equal, gap = n + len(d), equal + sum(x == 0 for x in d), max([gap, *d])
+    return {"greedy_identical": sum(x == y for x, y in greedy), "greedy": len(greedy), "positions": n,
+            "equal": equal, "max_delta": gap}
+
+
+def test_mode_on_and_off_in_one_engine_agree_within_its_spread(runs):
+    """Issue 7's numerics criterion, in one engine (two engines compile the model apart): the mode
+    switched off at run time, each pass from a cold prefix cache, passes in turn on, off, on, off.
+    The engine's run-to-run spread is on vs on and off vs off; on vs off must be within it: exactly
+    equal where the engine repeats itself exactly, else no larger (max |delta| on the same context)."""
+    r = runs["on"]
+    spread = [_passes_gap(r["one_on"], r["one_on2"]), _passes_gap(r["one_off"], r["one_off2"])]
+    cross = [_passes_gap(r["one_on"], r["one_off"]), _passes_gap(r["one_on2"], r["one_off2"])]
+    for name, gaps in (("spread (on vs on, off vs off)", spread), ("mode on vs switched off", cross)):
+        print(f"\none engine, {name}: " + "; ".join(
+            f"greedy {g['greedy_identical']}/{g['greedy']} sequences identical, logprobs on the same context "
+            f"{g['equal']}/{g['positions']} exactly equal, max |delta| {g['max_delta']:.3g}" for g in gaps))
+    assert all(g["positions"] >= sum(SIZES) for g in spread + cross)
+    limit = max(g["max_delta"] for g in spread)
+    if limit == 0 and all(g["greedy_identical"] == g["greedy"] for g in spread):
+        assert all(g["max_delta"] == 0 and g["greedy_identical"] == g["greedy"] for g in cross), cross
+    else:
+        assert all(g["max_delta"] <= limit for g in cross), (cross, spread)
 
 
 def test_sampling_and_logprob_batches_fall_back(runs):
