@@ -71,11 +71,11 @@ for step in "$@"; do
                 > "$OUT/moeprobe_ncu.log" 2>&1; grep -E "^  _|Duration|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit" "$OUT/moeprobe_ncu.log" | head -n 120 ;;
     moesplit) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph "${MOE_IN_GRAPH:-10}" --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,1,4,1,1,2;64,256,32,256,4,1,4,1,1,3;64,256,32,256,4,1,4,1,3,3;64,256,32,256,8,1,8,1,3,3;64,256,32,256,4,1,4,1,2,2;64,256,32,256,4,1,4,1,6,6;64,256,32,256,4,2,4,2,3,3}" --out "$OUT/moe_split${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moesplit${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 45 ;;
     moefmaall) python3 -m pytest -q -s tests/test_moe.py -k "${MOE_K:-fma}" -p no:cacheprovider 2>&1 | tee "$OUT/moefmaall.log" | grep -E "M=|passed|failed|Error" | tail -n 30 ;;
-    moencu) ncu --clock-control none -k "regex:_moe_fc1_swiglu_fma|_moe_fc2_fma|_moe_combine|_moe_route" --launch-count ${NCU_COUNT:-8} \
+    moencu) ncu --clock-control none -k "regex:_moe_fc1_swiglu_fma|_moe_fc2_fma" --launch-count ${NCU_COUNT:-7} \
               --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
               --section MemoryWorkloadAnalysis --section InstructionStats --section SourceCounters \
-              python3 benchmarks/moe_probe.py --ncu --no-stream --m ${NCU_M:-1} > "$OUT/moencu.log" 2>&1
-            grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Theoretical Occ|Stall|stall" "$OUT/moencu.log" | head -n 100 ;;
+              python3 benchmarks/moe_probe.py --ncu --no-stream --m ${NCU_M:-1} > "$OUT/moencu${NCU_TAG:-}.log" 2>&1
+            grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Theoretical Occ" "$OUT/moencu${NCU_TAG:-}.log" | head -n 60 ;;
     moefmatests) python3 -m pytest -q -s -m gpu tests/test_moe.py -k "fma" -p no:cacheprovider 2>&1 | tee "$OUT/moefmatests.log" | grep -E "M=|passed|failed|Error" | tail -n 30 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
