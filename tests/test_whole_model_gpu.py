@@ -206,8 +206,11 @@ def test_graph_tokens_equal_stock_tokens_on_the_same_logits(runs):
           f"equal, max |delta| {max(prefill, default=0):.3g}")
     print(f"decode logprobs, mode on vs off on the same context: {len(deltas)} steps, "
           f"{sum(d == 0 for d in deltas)} exactly equal, max |delta| {max(deltas, default=0):.3g}")
-    if prefill and max(prefill) == 0:  # both engines compiled the model alike: the run-to-run spread is 0
-        assert deltas and max(deltas) == 0, "decode logprobs differ between mode on and off on the same context"
+    # Reported only: equal prefills do not make two engines' decodes equal. One engine repeating the
+    # same batches is not exact either (H200, 07143ae: on vs on max |delta| 0.0153 on the same
+    # context), and two engines' decode graphs are compiled apart (0 to 0.406 seen). The criterion is
+    # judged in one engine, against its own spread: test_mode_on_and_off_in_one_engine_agree_within_its_spread.
+    assert deltas, "no decode logprob on a shared context"
     seeded = lambda a, b: f"{sum(x == y for x, y in zip(a, b))}/{len(a)} sequences identical"  # noqa: E731
     print(f"seeded sampling (temperature 0.8, top-k 50, top-p 0.9): mode on, run 1 vs run 2: "
           f"{seeded(runs['on']['seeded1'], runs['on']['seeded2'])}; mode off, run 1 vs 2: "
