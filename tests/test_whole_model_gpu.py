@@ -131,7 +131,8 @@ def _serve(checkpoint, whole_model: bool, tp: int = 1) -> dict:
                     toks.append(t)
                     vals.append([[d[x].logprob for d, x in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)]
                                  for r in res])
-                out[tag] = {"greedy": [_gen(llm, greedy, n)[0] for n in SIZES], "logprobs": toks, "values": vals}
+                out[tag] = {"greedy": [_gen(llm, greedy, n)[0] for n in SIZES], "logprobs": toks, "values": vals,
+                            "seeded": _gen_seeded(llm)}
             llm.collective_rpc("sm121_graph_enable", args=(True,))
             out["stats_ranks"] = llm.collective_rpc("sm121_graph_stats")  # one dict per worker (TP rank)
             out["stats"] = out["stats_ranks"][0]
@@ -249,6 +250,10 @@ def test_mode_on_and_off_in_one_engine_agree_within_its_spread(runs):
         print(f"\none engine, {name}: " + "; ".join(
             f"greedy {g['greedy_identical']}/{g['greedy']} sequences identical, logprobs on the same context "
             f"{g['equal']}/{g['positions']} exactly equal, max |delta| {g['max_delta']:.3g}" for g in gaps))
+    seeded = [(a, b, sum(x == y for x, y in zip(r[a]["seeded"], r[b]["seeded"]))) for a, b in
+              (("one_on", "one_on2"), ("one_off", "one_off2"), ("one_on", "one_off"), ("one_on2", "one_off2"))]
+    print("one engine, seeded sampling (temperature 0.8, top-k 50, top-p 0.9), sequences identical: "
+          + ", ".join(f"{a} vs {b} {n}/{len(r[a]['seeded'])}" for a, b, n in seeded))
     assert all(g["positions"] >= sum(SIZES) for g in spread + cross)
     limit = max(g["max_delta"] for g in spread)
     if limit == 0 and all(g["greedy_identical"] == g["greedy"] for g in spread):
