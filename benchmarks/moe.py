@@ -47,8 +47,8 @@ Timing
     % of copy bandwidth: bytes / p50 over a device-to-device 1 GiB copy measured in this run.
 
 FMA tile sweep (--fma-tiles "t1;t2;...", each t = fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages
-[,fc2_warps,fc2_stages[,fc2_split]] as in $VLLM_SM121_MOE_FMA_TILES; stages 2 = register
-prefetch of the next K step; fc2_split = FC2 split-K): for every tile and every M <= 4, the
+[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]] as in $VLLM_SM121_MOE_FMA_TILES; stages 2 = register
+prefetch of the next K step; fc2_split / fc1_split = FC2 / FC1 split-K): for every tile and every M <= 4, the
 whole block (path fma) and FC1 / FC2+combine alone, each its own CUDA graph timed as above, with
 GB/s and % of copy bandwidth (FC1: the routed experts' w13 + scales + bias; FC2: w2's); the
 fastest tile per M is printed last. A tile that fails to compile is a row with its error.
@@ -105,7 +105,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     ap.add_argument("--fma-tiles", default="",
                     help="FMA decode tile sweep: 'fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
-                         "[,fc2_warps,fc2_stages[,fc2_split]];...'")
+                         "[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]];...'")
     ap.add_argument("--align", action="store_true",
                     help="also time moe_align (one Triton launch) against moe_align_torch at each M "
                          "(the grouped path's tile map, BLOCK_M of the tile table)")
@@ -429,7 +429,7 @@ def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
                        env=K.FMA_TILES_ENV, specs=args.fma_tiles,
                        ms=[m for m in args.m if 0 < m <= K.FMA_KERNEL_MAX_TOKENS],
                        title="FMA decode tile sweep (fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
-                             "[,fc2_warps,fc2_stages[,fc2_split]])")
+                             "[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]])")
 
 
 def _tile_sweep(args, w: dict, device, flush, copy_gbps, parts, *, name, provider, env, specs, ms, title) -> list[dict]:

@@ -237,7 +237,11 @@ class FmaTiles:
 # 142.5 us at M = 1 / 2 / 4 (ours wins at M = 1 only). sm_12x: the sm_90
 # choice (not measured: no GB10 here). The interpreter gets small tiles (its cost grows with
 # the tile). Overridden at call time, for every M, by
-# VLLM_SM121_MOE_FMA_TILES="fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split]]"
+# fc1_split (FC1 split-K, last-arriving split does the epilogue), H200 at a584fa0, in-graph timing
+# (docs/moe-fc1-split-sweep-h200-a584fa0.json): no gain (FC1 at M=1 24.0 us unsplit, 25.8 / 27.7 /
+# 27.6 with 2 / 3 / 6 splits; slower at M=2/4): at 159 registers per thread 3 CTAs fit an SM, so
+# more programs mean more waves, not more bytes in flight. It stays 1.
+# VLLM_SM121_MOE_FMA_TILES="fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]]"
 # (benchmarks/moe.py --fma-tiles sweeps it).
 FMA_TILES: dict[tuple[str, int], FmaTiles] = {
     (_platform.SM90, 1): FmaTiles(64, 256, 32, 256, 4, 1),
@@ -277,7 +281,8 @@ def fma_f16x2(t: torch.Tensor) -> bool:
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
-# (``_mx.pdl_wait_then_release``). Not yet timed: no GPU was left when it was written.
+# (``_mx.pdl_wait_then_release``). H200 at 16a6751 (docs/logs/moepdl-h200-16a6751.log): equal
+# outputs (GPU test passed), no gain (M=1 block 54.4-54.9 us with PDL vs 51.6-52.0 without).
 PDL_ENV = "VLLM_SM121_MOE_PDL"
 
 

@@ -29,7 +29,10 @@ whose cost is streaming the MXFP4 weights; padding the tokens to an MMA N of 16 
   whatever the number of tokens, and the usual case (one token per expert) does one FMA per value.
 
 FC1's epilogue adds the bias, applies gpt-oss SwiGLU to the interleaved gate/up rows and
-writes MXFP8 (BLOCK_R = 64 rows -> 32 outputs = one MXFP8 block per program). FC2 writes fp32
+writes MXFP8 (BLOCK_R = 64 rows -> 32 outputs = one MXFP8 block per program). With SPLIT > 1
+(grid axis 2, tile field ``fc1_split``) each split writes fp32 partials and the last split of a
+tile to arrive sums them in split order and runs that epilogue (``_split_fixup``); measured
+without gain on an H200, so off by default (``kernels/moe.py``). FC2 writes fp32
 partials per (token, slot) exactly as ``_moe_fc2_kernel`` (zeros for a repeated slot), or per
 (token, slot, K split) with SPLIT > 1 (grid axis 2; the bias goes into split 0), summed in a
 fixed order by ``_moe_combine_kernel``: deterministic.
