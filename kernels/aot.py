@@ -72,14 +72,29 @@ class Result:
         return [i for i in self.instructions if i.startswith(SM90_ONLY)]
 
 
+def _constexprs(spec: Spec) -> dict:
+    """The spec's constexprs, plus the defaults of the kernel's constexpr parameters it leaves out
+    (as the launchers get them); without these such a parameter would compile as a runtime i32."""
+    import inspect
+
+    out = {}
+    for name, p in inspect.signature(spec.fn.fn).parameters.items():
+        if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty:
+            out[name] = p.default
+    return {**out, **spec.constexprs}
+
+
 def _signature(spec: Spec) -> tuple[dict, dict]:
     sig, attrs = {}, {}
+    constexprs = _constexprs(spec)
     for i, name in enumerate(spec.fn.arg_names):
-        if name in spec.constexprs:
+        if name in constexprs:
             sig[name] = "constexpr"
             continue
-        if name.endswith("_ptr"):
-            sig[name] = spec.ptr_types.get(name, "*fp32")
+        if name in spec.ptr_types:  # pointers, and tensor descriptors ("tensordesc<i32[64, 64]>")
+            sig[name] = spec.ptr_types[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
         elif name.startswith("stride"):
             sig[name] = "i64"
         elif name in ("sm_scale", "softcap", "eps"):
@@ -206,7 +221,7 @@ def moe_specs(family: str) -> list[Spec]:
              constexprs=dict(decode, H=2880, I=2880, BLOCK_N=M.DECODE_FC2_BLOCK_N),
              ptr_types=dict(mx, h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", part_ptr="*fp32"),
              num_warps=M.DECODE_NUM_WARPS, num_stages=M.DECODE_NUM_STAGES),
-        Spec(name="moe_combine[H2880 top4]", fn=_moe_combine_kernel, constexprs=dict(H=2880, TOPK=4, BLOCK=1024),
+        Spec(name="moe_combine[H2880 top4]", fn=_moe_combine_kernel, constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=False),
              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
     ]
     for nt in (1, 4):  # the FMA decode GEMVs (M <= 4): one and four token accumulators, with their tiles
@@ -219,23 +234,30 @@ def moe_specs(family: str) -> list[Spec]:
             name=f"moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M{nt}]", fn=_moe_fc1_swiglu_fma_kernel,
             constexprs=dict(common, K=2880, I=2880, BLOCK_R=fma.fc1_rows, BLOCK_G=fma.fc1_kb // 16,
                             PREFETCH=fma.num_stages > 1, F16X2=True, ALPHA=1.702, LIMIT=7.0, HW_FP8=True,
-                            SPLIT=split1, GPS=gps1),
+                            SPLIT=split1, GPS=gps1, w_desc=None, PDL=False, TMA=0),
             ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8",
                            cnt_ptr="*i32"),
             num_warps=fma.num_warps))
         specs.append(Spec(
             name=f"moe_fc2_fma[gpt-oss H2880 I2880 top4, M{nt}]", fn=_moe_fc2_fma_kernel,
             constexprs=dict(common, H=2880, I=2880, BLOCK_R=fma.fc2_rows, BLOCK_G=fma.fc2_kb // 16,
-                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True),
+                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True, w_desc=None, PDL=False, TMA=0),
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
+        fc1_spec, fc2_spec = specs[-2:]
         if nt == 1:  # the opt-in programmatic-dependent-launch variants (VLLM_SM121_MOE_PDL=1)
-            for spec in specs[-2:]:
+            for spec in (fc1_spec, fc2_spec):
                 specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", PDL]",
                                                  constexprs=dict(spec.constexprs, PDL=True)))
             specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
                               constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
                               ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
+        if nt == 1 and family == _platform.SM90:  # the opt-in TMA-pipelined GEMVs (tile stages >= 3; sm_90 only)
+            for spec, rows, kb in ((fc1_spec, fma.fc1_rows, fma.fc1_kb), (fc2_spec, fma.fc2_rows, fma.fc2_kb)):
+                c = {k: v for k, v in spec.constexprs.items() if k != "w_desc"}
+                specs.append(dataclasses.replace(
+                    spec, name=spec.name[:-1] + ", TMA 4 stages]", constexprs=dict(c, TMA=4),
+                    ptr_types=dict(spec.ptr_types, w_desc=f"tensordesc<i32[{rows}, {kb // 4}]>")))
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
     # with bf16 input (MXFP8 round trip in registers) at the largest.
     tiles = [t for _, t in M.GROUPED_TILES[family]]
@@ -343,7 +365,7 @@ def all_specs(family: str) -> list[Spec]:
 
 def compile_spec(spec: Spec, arch: int) -> Result:
     sig, attrs = _signature(spec)
-    src = ASTSource(spec.fn, sig, spec.constexprs, attrs)
+    src = ASTSource(spec.fn, sig, _constexprs(spec), attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
     ptx = kernel.asm["ptx"]
@@ -378,7 +400,7 @@ def sass_loop(spec: Spec, arch: int) -> tuple[int, dict[str, int]]:
     (Triton's bundled cuobjdump), and their opcode counts: a static proxy for the per-iteration
     cost where no GPU can time it (a loop = the span of a backward branch)."""
     sig, attrs = _signature(spec)
-    kernel = triton.compile(ASTSource(spec.fn, sig, spec.constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+    kernel = triton.compile(ASTSource(spec.fn, sig, _constexprs(spec), attrs), target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
     sass = _cubin_sass(kernel.asm["cubin"])
     lines = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]

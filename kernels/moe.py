@@ -181,7 +181,8 @@ class FmaTiles:
     fc2_rows: int  # FC2 rows of H per program: a power of two
     fc2_kb: int
     num_warps: int
-    num_stages: int  # 1: plain loop; 2: the next K step's weights are loaded before this step's math
+    num_stages: int  # 1: plain loop; 2: the next K step's weights are loaded before this step's math;
+    # >= 3: the weight tiles come through a TMA pipeline of that many shared-memory stages (sm_90+)
     fc2_num_warps: int | None = None  # None: num_warps
     fc2_num_stages: int | None = None  # None: num_stages
     fc2_split: int = 1  # FC2 split-K: fp32 partials per (token, slot, split), summed in order by the combine
@@ -197,6 +198,9 @@ class FmaTiles:
         for w in (self.num_warps, self.fc2_num_warps):
             if w is not None and w not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{self}: num_warps must be a power of two <= 32")
+        for st in (self.num_stages, self.fc2_num_stages):
+            if st is not None and not 1 <= st <= 8:
+                raise ValueError(f"{self}: stages must be in 1..8 (1 plain, 2 register prefetch, >= 3 TMA)")
         if not (1 <= self.fc2_split <= 16 and 1 <= self.fc1_split <= 16):
             raise ValueError(f"{self}: fc2_split and fc1_split must be in 1..16")
 
@@ -322,15 +326,39 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
         cnt = split_counters(a.device, m * topk * n_tiles)
     else:
         ws = cnt = out  # unused
+    tma = _tma_stages(a, tiles.num_stages)
     if m:
+        w_words = w13.view(torch.int32)
         _moe_fc1_swiglu_fma_kernel[(m * topk, n_tiles, split)](
-            a.view(torch.uint8).view(torch.int32), a_scale, w13.view(torch.int32), w13_scale, bias, topk_ids, out,
-            out_scale, ws, cnt, m, E=e, K=k, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
-            BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows, BLOCK_G=block_g,
-            PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
-            HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, num_warps=tiles.num_warps, num_stages=1,
-            **moe_pdl(a))
+            a.view(torch.uint8).view(torch.int32), a_scale, w_words, w13_scale, bias, topk_ids, out,
+            out_scale, ws, cnt, _weight_desc(w_words, rows, block_g) if tma else None, m, E=e, K=k, I=i, TOPK=topk,
+            TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
+            BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
+            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
+            num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a))
     return out.view(torch.float8_e4m3fn), out_scale
+
+
+def _tma_stages(t: torch.Tensor, stages: int) -> int:
+    """The TMA pipeline's stages for FMA tiles with ``stages`` (0: none, stages < 3). Measured and
+    AOT-checked on sm_90 only (ptxas also accepts it for sm_121a, but ``kernels/aot.py`` keeps TMA
+    out of every sm_12x build), so other GPUs are refused with the knob to change."""
+    if stages < 3:
+        return 0
+    if _platform.family_of(t) not in (_platform.SM90, _platform.INTERPRETER):
+        raise ValueError(f"{FMA_TILES_ENV}: stages >= 3 (a TMA pipeline) are supported on sm_90 only, not on "
+                         f"{_platform.family_of(t)}; use stages 1 or 2")
+    return stages
+
+
+def _weight_desc(w_words: torch.Tensor, rows: int, block_g: int):
+    """TMA descriptor of an expert weight matrix's int32 words [E, R, K/8] viewed as [E * R, K/8],
+    block [rows, 4 * block_g] (one K step of one tile; K/2 bytes per row is a multiple of 16 as
+    TMA needs, since K is a multiple of 32)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, r, kw = w_words.shape
+    return TensorDescriptor.from_tensor(w_words.reshape(e * r, kw), [rows, 4 * block_g])
 
 
 # Split-K arrival counters of the FMA FC1 (``_moe_fma._split_fixup``), one int32 per (slot, row
@@ -378,12 +406,15 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
     part = torch.empty(m * topk * split, hidden, dtype=torch.float32, device=h.device)
     pdl = moe_pdl(h)
+    tma = _tma_stages(h, stages)
     if m:
+        w_words = w2.view(torch.int32)
         _moe_fc2_fma_kernel[(m * topk, -(-hidden // rows), split)](
-            h.view(torch.uint8).view(torch.int32), h_scale, w2.view(torch.int32), w2_scale, bias, topk_ids,
-            topk_weights, part, m, E=e, H=hidden, I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m,
-            BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1,
-            F16X2=fma_f16x2(h), num_warps=warps, num_stages=1, **pdl)
+            h.view(torch.uint8).view(torch.int32), h_scale, w_words, w2_scale, bias, topk_ids,
+            topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, m, E=e, H=hidden, I=i,
+            TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
+            BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
+            num_warps=warps, num_stages=1, **pdl)
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,

@@ -99,3 +99,29 @@ def test_nvfp4_decode_variants_are_shorter_in_sm90_sass(record):
     base, asm, words = loops[name("nvfp4")], loops[name("nvfp4-asm")], loops[name("nvfp4-words-asm")]
     assert 0 < asm < 0.9 * base, loops
     assert 0 < words < 0.85 * asm, loops
+
+
+def test_fma_moe_tma_variants_pipeline_bulk_tensor_copies_on_sm90_only(record):
+    """The opt-in TMA GEMVs (tile stages >= 3): their sm_90a build loads the weight tiles with
+    cp.async.bulk.tensor (Triton's pipeliner, shared-memory stages); no sm_121a build has them."""
+    tma = {n: i for n, i in record["sm_90a"].items() if "TMA" in n}
+    assert len(tma) == 2, sorted(record["sm_90a"])
+    for name, info in tma.items():
+        assert any(i.startswith("cp.async.bulk.tensor") for i in info["instructions"]), name
+        assert info["shared_bytes"] >= 3 * 8192, (name, info["shared_bytes"])  # >= 3 stages of a tile
+    assert not any("TMA" in n for n in record["sm_121a"])
+
+
+def test_every_constexpr_parameter_compiles_as_a_constant():
+    """A constexpr parameter a spec leaves out (PDL, TMA, HAS_MAP, ...) takes its default as a
+    constant, as the launchers' calls do, not a runtime i32 (which compiles both branches)."""
+    from vllm_sm121 import platform
+    from vllm_sm121.kernels import aot
+
+    for family in (platform.SM90, platform.SM12X):
+        for spec in aot.all_specs(family):
+            sig, _ = aot._signature(spec)
+            consts = aot._constexprs(spec)
+            assert all(sig[k] == "constexpr" for k in consts), spec.name
+            if spec.name.startswith("moe_route"):
+                assert "HAS_MAP" in consts, spec.name

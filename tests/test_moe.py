@@ -151,6 +151,8 @@ def _fc1_case(m, k, i, e, topk, seed):
     (4, 64, 64, 4, 4, "64,16,32,16,2,2"),  # every token shares expert ids[0, 0]
     (2, 192, 64, 4, 3, "64,16,32,16,2,1,0,0,1,3"),  # FC1 split-K: 3 splits of 2 one-group steps
     (4, 192, 96, 4, 4, "64,32,32,16,2,2,0,0,1,2"),  # 2 splits of 2 + 1 two-group steps, prefetch
+    (3, 192, 96, 8, 4, "64,32,32,16,2,3"),  # TMA pipeline (3 stages): last K step and rows past 2I zero-filled
+    (2, 192, 64, 4, 3, "64,16,32,16,2,4,0,0,1,3"),  # TMA + split-K
 ])
 def test_fma_fc1_matches_reference(device, m, k, i, e, topk, tiles):
     from vllm_sm121.kernels.moe import FmaTiles, moe_fc1_swiglu_fma
@@ -174,6 +176,8 @@ def test_fma_fc1_matches_reference(device, m, k, i, e, topk, tiles):
     (4, 96, 192, 8, 4, "64,16,64,64,4,1"),  # H masked in a 64-row tile, 2 K steps (last half masked)
     (2, 64, 192, 4, 2, "64,16,32,32,2,2,0,0,2"),  # split-K: 2 splits of 4 groups (the last one 2), prefetch
     (3, 64, 128, 4, 3, "64,16,64,16,2,1,4,1,3"),  # split-K asked 3 for 4 groups: 2 splits of 2 steps
+    (4, 96, 192, 8, 4, "64,16,64,64,4,3"),  # TMA pipeline: H masked in a 64-row tile, last K step zero-filled
+    (2, 64, 192, 4, 2, "64,16,32,32,2,1,2,3,2"),  # TMA + split-K
 ])
 def test_fma_fc2_matches_reference(device, m, hidden, i, e, topk, tiles):
     from vllm_sm121.kernels.moe import FmaTiles, moe_fc2_combine_fma, moe_fc2_combine_torch
@@ -447,7 +451,8 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", ["64,256,32,256,8,1", "64,128,16,128,4,2", "128,512,64,512,8,2,4,1",
                                    "64,64,16,64,2,2", "64,256,32,256,4,1,4,1,2", "64,256,32,128,8,2,4,2,4",
-                                   "64,256,32,256,4,1,4,1,3,3", "64,256,32,256,8,2,8,2,2,6"])
+                                   "64,256,32,256,4,1,4,1,3,3", "64,256,32,256,8,2,8,2,2,6",
+                                   "64,256,32,256,4,3", "64,256,32,256,4,4,4,4,2,2"])
 def test_fma_tiles_on_gpu(tiles, monkeypatch):
     """Every tile shape the sweep may pick gives the same block output at gpt-oss-120b shapes
     (only the fp32 summation order differs)."""

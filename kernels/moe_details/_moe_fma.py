@@ -161,15 +161,22 @@ def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c
 @triton.jit
 def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0, r1, r2, r3, u1, u2, u3,
                  g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr, PDL: tl.constexpr = False,
+                 w_desc=None, row0=0, TMA: tl.constexpr = 0):
     """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
     up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
     over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
     Returns four fp32 [BLOCK_R] dot products (unused ones zero).
 
+    TMA > 0: the weight tiles come through ``w_desc`` (a tensor descriptor of the int32 words,
+    block [BLOCK_R, 4 * BLOCK_G], tile rows row0 .. row0 + BLOCK_R: rows past the matrix and
+    words past K/8 read as zeros) in a TMA pipeline of TMA stages in shared memory, so the bytes
+    in flight cost shared memory instead of registers (PREFETCH is ignored).
+
     The weight tile is 2-D [BLOCK_R, 4 * BLOCK_G] words, contiguous along K, so each thread
     loads 16-byte vectors (one scale group) and its repeats are other rows of the same groups:
     the activations it decodes serve all of its rows."""
+    NUM_STAGES: tl.constexpr = TMA if TMA > 0 else 1
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, 4 * BLOCK_G)
     w_base = w_ptr + w_rows[:, None] * (K // 8) + offs_c[None, :]
@@ -182,16 +189,19 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
     acc1 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
-    if PREFETCH:
+    if PREFETCH and TMA == 0:
         w_nxt = tl.load(w_base + g_lo * 4, mask=rows_ok[:, None] & (g_lo * 4 + offs_c[None, :] < K // 8), other=0)
         ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
     if PDL:  # the weights (never written) are in flight: now wait for the previous kernel's activations
         pdl_wait_then_release()
-    for gi in range(0, G_RANGE, BLOCK_G):
+    for gi in tl.range(0, G_RANGE, BLOCK_G, num_stages=NUM_STAGES):
         g0 = g_lo + gi
         g_ok = g0 + offs_g < K // 32
         c_ok = g0 * 4 + offs_c < K // 8
-        if PREFETCH:  # software pipelining by hand: the next step's loads are issued before this step's math
+        if TMA > 0:  # Triton pipelines the descriptor loads (cp.async.bulk.tensor + mbarriers)
+            w = w_desc.load([row0, g0 * 4])
+            ws = tl.load(ws_base + g0, mask=rows_ok[None, :] & g_ok[:, None], other=127)
+        elif PREFETCH:  # software pipelining by hand: the next step's loads are issued before this step's math
             w = w_nxt
             ws = ws_nxt
             in_range = gi + BLOCK_G < G_RANGE  # the next step is this program's (not the next split's)
@@ -297,6 +307,7 @@ def _moe_fc1_swiglu_fma_kernel(
     out_scale_ptr,  # [M * TOPK, I / 32] uint8 e8m0
     ws_ptr,  # SPLIT > 1: [M * TOPK, 2I / BLOCK_R, SPLIT, NT, BLOCK_R] fp32 partial dot products
     cnt_ptr,  # SPLIT > 1: [M * TOPK * 2I / BLOCK_R] int32 arrival counters, zero before and after each launch
+    w_desc,  # TMA > 0: tensor descriptor of w as [E * 2I, K / 8] int32, block [BLOCK_R, 4 * BLOCK_G]; else None
     M,  # tokens (<= NT)
     E: tl.constexpr,
     K: tl.constexpr,  # multiple of 64
@@ -315,6 +326,7 @@ def _moe_fc1_swiglu_fma_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the routing (GPU, opt-in)
     SPLIT: tl.constexpr = 1,  # K splits (grid axis 2); the last split of a tile to finish does the epilogue
     GPS: tl.constexpr = 0,  # 32-value groups per split: a multiple of BLOCK_G, SPLIT * GPS >= K / 32 (0: K / 32)
+    TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
         pdl_wait_then_release()
@@ -333,13 +345,16 @@ def _moe_fc1_swiglu_fma_kernel(
     rows = nb * BLOCK_R + tl.arange(0, BLOCK_R)  # interleaved: 2i gate, 2i+1 up
     row_ok = rows < 2 * I
     w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)  # rows past 2I: read row 2I-1, never stored
+    row0 = (expert * (2 * I) + nb * BLOCK_R).to(tl.int32)
     if SPLIT == 1:
         h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
-                                      u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
+                                      u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
+                                      w_desc=w_desc, row0=row0, TMA=TMA)
     else:
         split = tl.program_id(2)
         h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
-                                      u1, u2, u3, split * GPS, GPS, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2)
+                                      u1, u2, u3, split * GPS, GPS, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
+                                      w_desc=w_desc, row0=row0, TMA=TMA)
         tile = p * tl.num_programs(1) + nb
         last, h0, h1, h2, h3 = _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT, BLOCK_R, SPLIT)
         if not last:
@@ -384,6 +399,7 @@ def _moe_fc2_fma_kernel(
     topk_ids_ptr,  # [M, TOPK] int32
     topk_w_ptr,  # [M, TOPK] fp32
     part_ptr,  # [M * TOPK * SPLIT, H] fp32: w_j * (h_j @ W2[e_j]^T (this split's K range) + b2[e_j] (split 0))
+    w_desc,  # TMA > 0: tensor descriptor of w as [E * H, I / 8] int32, block [BLOCK_R, 4 * BLOCK_G]; else None
     M,
     E: tl.constexpr,
     H: tl.constexpr,
@@ -399,6 +415,7 @@ def _moe_fc2_fma_kernel(
     PREFETCH: tl.constexpr,
     F16X2: tl.constexpr,
     PDL: tl.constexpr = False,  # a programmatic dependent of FC1: routing + first weights before the wait
+    TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
 ):
     p = tl.program_id(0)
     if p >= M * TOPK:  # (a program that exits releases the next launch as a wait would)
@@ -421,7 +438,8 @@ def _moe_fc2_fma_kernel(
     w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: read row H-1, never stored
     y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
-                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL)
+                                  I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
+                                  row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA)
     bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     if SPLIT > 1:
         bias = tl.where(split == 0, bias, 0.0)  # the bias goes into split 0's partial only
