@@ -30,6 +30,7 @@ import triton.language as tl
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from moe import FLUSH_BYTES, measure_copy_bandwidth, time_graph  # noqa: E402  (one call per graph replay)
 
 
 @triton.jit
@@ -60,24 +61,6 @@ def _xor(a, b):
     return a ^ b
 
 
-def time_launch(fn, reps: int, flush: torch.Tensor) -> list[float]:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ts = []
-    for _ in range(reps):
-        flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return ts
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", default="1,4")
@@ -102,27 +85,14 @@ def main(argv=None) -> int:
     w2 = torch.randint(0, 256, (e, h, i // 2), generator=g, dtype=torch.uint8).to(dev)
     w2s = torch.randint(118, 122, (e, h, i // 32), generator=g, dtype=torch.uint8).to(dev)
     b2 = (torch.randn(e, h, generator=g) * 0.1).bfloat16().to(dev)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        s, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        en.record()
-        en.synchronize()
-        ts.append(s.elapsed_time(en) / 1e3)
-    copy_gbps = 2 * src.numel() / statistics.median(ts) / 1e9
-    del src, dst
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    copy_gbps = measure_copy_bandwidth(dev)
     print(f"device {torch.cuda.get_device_name()} copy {copy_gbps:.0f} GB/s")
     reps = 3 if args.ncu else args.reps
     recs = []
 
     def report(name, m, nbytes, fn):
-        t = statistics.median(time_launch(fn, reps, flush))
+        t = statistics.median(time_graph(fn, reps, flush)[0])
         gbps = nbytes / t / 1e3
         rec = dict(name=name, m=m, us=t, bytes=nbytes, gbps=gbps, pct_copy_bw=100 * gbps / copy_gbps)
         recs.append(rec)

@@ -158,3 +158,27 @@ def test_dry_run_grouped_sweep(tmp_path):
         assert r["status"] == "ok", r
         assert r["fc1_us_p50"] > 0 and r["fc2_us_p50"] > 0 and r["fc1_bytes"] + r["fc2_bytes"] < r["bytes"]
         assert r["rel_l2_vs_ref"] < 5e-3, r
+
+
+def test_moe_probe_stream_kernel_reads_each_tile_once_per_split():
+    """benchmarks/moe_probe.py's read-only kernel (the FMA GEMVs' memory-side ceiling): every
+    (slot, row tile) XOR over its K splits equals the XOR of that expert's rows (rows past the
+    matrix and words past K masked), so it reads exactly the bytes the GEMV reads."""
+    import functools
+    import operator
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from moe_probe import _stream_kernel
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-2**31, 2**31 - 1, (4, 96, 100), generator=g, dtype=torch.int32)
+    ids = torch.tensor([2, 0], dtype=torch.int32)
+    for split in (1, 3):
+        out = torch.empty(2 * 2 * split, dtype=torch.int32)
+        _stream_kernel[(2, 2, split)](w, ids, out, ROWS_TOTAL=96, KW=100, BLOCK_R=64, BLOCK_C=64, SPLIT=split)
+        got = [functools.reduce(operator.xor, r) for r in out.view(4, split).tolist()]
+        ref = [functools.reduce(operator.xor, w[int(ids[s]), t * 64:(t + 1) * 64].flatten().tolist())
+               for s in range(2) for t in range(2)]
+        assert got == ref, split
