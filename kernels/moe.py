@@ -282,6 +282,24 @@ def fma_f16x2(t: torch.Tensor) -> bool:
     return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(FMA_F16X2_ENV, 0) != 0
 
 
+# A register cap for the FMA GEMVs (opt-in, VLLM_SM121_MOE_FMA_MAXNREG=<n>, read at call time; GPU
+# only): ptxas' maxnreg. sm_90a, FC1 at the M=1 tiles: 159 registers (3 CTAs of 4 warps per SM);
+# capped at 128 (4 CTAs per SM) its K loop keeps its 1337 instructions with 0 spill stores and 3
+# spill reloads (checked offline with ptxas, 2026-11-27). Not yet timed: more resident CTAs only
+# help where the grid exceeds one wave (M >= 2, or FC1 split-K).
+FMA_MAXNREG_ENV = "VLLM_SM121_MOE_FMA_MAXNREG"
+
+
+def fma_maxnreg(t: torch.Tensor) -> dict:
+    """Launch options for $VLLM_SM121_MOE_FMA_MAXNREG on ``t``'s device: {} when unset or on the CPU."""
+    n = V.env_int(FMA_MAXNREG_ENV, 0)
+    if n == 0 or _platform.family_of(t) == _platform.INTERPRETER:
+        return {}
+    if not 24 <= n <= 255:
+        raise ValueError(f"{FMA_MAXNREG_ENV}={n}: registers per thread must be in 24..255 (0: no cap)")
+    return dict(maxnreg=n)
+
+
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
@@ -335,7 +353,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
             LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
-            num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a))
+            num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -414,7 +432,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, m, E=e, H=hidden, I=i,
             TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
-            num_warps=warps, num_stages=1, **pdl)
+            num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h))
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,

@@ -77,7 +77,7 @@ for step in "$@"; do
               python3 benchmarks/moe_probe.py --ncu --no-stream --m ${NCU_M:-1} > "$OUT/moencu${NCU_TAG:-}.log" 2>&1
             grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Theoretical Occ" "$OUT/moencu${NCU_TAG:-}.log" | head -n 60 ;;
     moetma) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,3;64,256,32,256,4,4;64,256,32,256,4,6;64,256,32,256,8,4;64,256,32,256,4,4,4,1;64,256,32,256,4,1,4,4;64,256,32,256,4,4,4,4,1,2}" --out "$OUT/moe_tma${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moetma${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 40
-            python3 -m pytest -q -s -m gpu tests/test_moe.py -k "tiles_on_gpu" -p no:cacheprovider 2>&1 | tail -n 3 ;;  # the TMA tiles' GPU test
+            python3 -m pytest -q -s -m gpu tests/test_moe.py -k "tiles_on_gpu or register_cap" -p no:cacheprovider 2>&1 | tail -n 3 ;;  # the TMA tiles' and the register cap's GPU tests
     moefmatests) python3 -m pytest -q -s -m gpu tests/test_moe.py -k "fma" -p no:cacheprovider 2>&1 | tee "$OUT/moefmatests.log" | grep -E "M=|passed|failed|Error" | tail -n 30 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;

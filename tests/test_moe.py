@@ -390,6 +390,37 @@ def test_pdl_option_is_gpu_only_and_validated(monkeypatch):
     assert K.moe_pdl(cpu) == {}
 
 
+def test_fma_maxnreg_option(monkeypatch):
+    from vllm_sm121.kernels import moe as K
+
+    cpu = torch.empty(0)
+    monkeypatch.setenv(K.FMA_MAXNREG_ENV, "128")
+    assert K.fma_maxnreg(cpu) == {}  # the interpreter has no registers to cap
+    monkeypatch.setattr(K._platform, "family_of", lambda t: K._platform.SM90)
+    assert K.fma_maxnreg(cpu) == {"maxnreg": 128}
+    monkeypatch.setenv(K.FMA_MAXNREG_ENV, "300")
+    with pytest.raises(ValueError, match="VLLM_SM121_MOE_FMA_MAXNREG=300"):
+        K.fma_maxnreg(cpu)
+    monkeypatch.delenv(K.FMA_MAXNREG_ENV)
+    assert K.fma_maxnreg(cpu) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", ["128", "96"])
+def test_fma_register_cap_gives_the_same_block_on_gpu(cap, monkeypatch):
+    """$VLLM_SM121_MOE_FMA_MAXNREG only changes register allocation (spills at most): bit-equal output."""
+    from vllm_sm121.kernels import moe as K
+
+    args = _gpt_oss_layer(128, seed=9)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 2880, generator=g).bfloat16().cuda()
+    logits = torch.randn(2, 128, generator=g).bfloat16().cuda()
+    monkeypatch.delenv(K.FMA_MAXNREG_ENV, raising=False)
+    ref = K.moe_block(x, logits, *args, 4, path="fma")
+    monkeypatch.setenv(K.FMA_MAXNREG_ENV, cap)
+    assert torch.equal(K.moe_block(x, logits, *args, 4, path="fma"), ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3])
 def test_fma_pdl_launches_equal_plain_launches_on_gpu(m, monkeypatch):
