@@ -252,7 +252,7 @@ def moe_specs(family: str) -> list[Spec]:
             specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
                               constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
                               ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
-        if nt == 1 and family == _platform.SM90:  # the opt-in TMA-pipelined GEMVs (tile stages >= 3; sm_90 only)
+        if family == _platform.SM90:  # the opt-in TMA-pipelined GEMVs (tile stages >= 3; sm_90 only)
             for spec, rows, kb in ((fc1_spec, fma.fc1_rows, fma.fc1_kb), (fc2_spec, fma.fc2_rows, fma.fc2_kb)):
                 c = {k: v for k, v in spec.constexprs.items() if k != "w_desc"}
                 specs.append(dataclasses.replace(

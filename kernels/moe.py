@@ -376,7 +376,7 @@ def _weight_desc(w_words: torch.Tensor, rows: int, block_g: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, r, kw = w_words.shape
-    return TensorDescriptor.from_tensor(w_words.reshape(e * r, kw), [rows, 4 * block_g])
+    return TensorDescriptor.from_tensor(w_words.view(e * r, kw), [rows, 4 * block_g])  # (never a copy)
 
 
 # Split-K arrival counters of the FMA FC1 (``_moe_fma._split_fixup``), one int32 per (slot, row
@@ -386,6 +386,7 @@ def _weight_desc(w_words: torch.Tensor, rows: int, block_g: int):
 # outside graph captures: the plugin's MoE method allocates it when its weights are processed
 # (``vllm_sm121/moe/method.py``); SPLIT_COUNTERS_MIN covers M <= 4 of any gpt-oss shape.
 _SPLIT_COUNTERS: dict[str, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # replaced buffers stay allocated: captured graphs may hold them
 SPLIT_COUNTERS_MIN = 1 << 14
 
 
@@ -396,6 +397,8 @@ def split_counters(device: torch.device, n: int = SPLIT_COUNTERS_MIN) -> torch.T
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"the FMA MoE's FC1 split-K counters for {n} tiles were first needed inside a CUDA "
                                "graph capture; run the layer once eagerly at that batch size first (vLLM does)")
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
         buf = torch.zeros(max(n, SPLIT_COUNTERS_MIN), dtype=torch.int32, device=device)
         _SPLIT_COUNTERS[key] = buf
     return buf

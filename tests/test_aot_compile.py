@@ -105,7 +105,7 @@ def test_fma_moe_tma_variants_pipeline_bulk_tensor_copies_on_sm90_only(record):
     """The opt-in TMA GEMVs (tile stages >= 3): their sm_90a build loads the weight tiles with
     cp.async.bulk.tensor (Triton's pipeliner, shared-memory stages); no sm_121a build has them."""
     tma = {n: i for n, i in record["sm_90a"].items() if "TMA" in n}
-    assert len(tma) == 2, sorted(record["sm_90a"])
+    assert len(tma) == 4, sorted(record["sm_90a"])  # FC1 and FC2, with 1 and 4 token accumulators
     for name, info in tma.items():
         assert any(i.startswith("cp.async.bulk.tensor") for i in info["instructions"]), name
         assert info["shared_bytes"] >= 3 * 8192, (name, info["shared_bytes"])  # >= 3 stages of a tile

@@ -151,8 +151,9 @@ def _fc1_case(m, k, i, e, topk, seed):
     (4, 64, 64, 4, 4, "64,16,32,16,2,2"),  # every token shares expert ids[0, 0]
     (2, 192, 64, 4, 3, "64,16,32,16,2,1,0,0,1,3"),  # FC1 split-K: 3 splits of 2 one-group steps
     (4, 192, 96, 4, 4, "64,32,32,16,2,2,0,0,1,2"),  # 2 splits of 2 + 1 two-group steps, prefetch
-    (3, 192, 96, 8, 4, "64,32,32,16,2,3"),  # TMA pipeline (3 stages): last K step and rows past 2I zero-filled
-    (2, 192, 64, 4, 3, "64,16,32,16,2,4,0,0,1,3"),  # TMA + split-K
+    (3, 192, 96, 8, 4, "128,64,16,32,4,3"),  # TMA (3 stages): rows 192..255 of a 128-row tile past 2I (the
+    # next expert's rows, or zeros past the matrix; never stored), the 2nd K step half past K (zeros)
+    (2, 320, 64, 4, 3, "128,64,16,32,4,4,0,0,1,3"),  # TMA + split-K: 3 splits of 4 groups, the last half past K
 ])
 def test_fma_fc1_matches_reference(device, m, k, i, e, topk, tiles):
     from vllm_sm121.kernels.moe import FmaTiles, moe_fc1_swiglu_fma

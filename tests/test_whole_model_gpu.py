@@ -227,29 +227,32 @@ def _passes_gap(a, b) -> dict:
     logprobs of the logprob batches up to each sequence's first differing token (the same token on
     the same context): how many, how many exactly equal, max |delta|."""
     greedy = [(x, y) for ga, gb in zip(a["greedy"], b["greedy"]) for x, y in zip(ga, gb)]
-    n = equal = 0
-    gap = 0.0
+    deltas = []
     for ta, tb, va, vb in zip(a["logprobs"], b["logprobs"], a["values"], b["values"]):
         for xa, xb, la, lb in zip(ta, tb, va, vb):
             same = next((i for i, (p, q) in enumerate(zip(xa, xb)) if p != q), len(xa))
-            d = [abs(p - q) for p, q in zip(la[:same], lb[:same])]
-            n, equal, gap = n + len(d), equal + sum(x == 0 for x in d), max([gap, *d])
-    return {"greedy_identical": sum(x == y for x, y in greedy), "greedy": len(greedy), "positions": n,
-            "equal": equal, "max_delta": gap}
+            deltas += [abs(p - q) for p, q in zip(la[:same], lb[:same])]
+    return {"greedy_identical": sum(x == y for x, y in greedy), "greedy": len(greedy), "positions": len(deltas),
+            "equal": sum(x == 0 for x in deltas), "max_delta": max(deltas, default=0.0),
+            "mean_delta": sum(deltas) / max(len(deltas), 1)}
 
 
 def test_mode_on_and_off_in_one_engine_agree_within_its_spread(runs):
     """Issue 7's numerics criterion, in one engine (two engines compile the model apart): the mode
     switched off at run time, each pass from a cold prefix cache, passes in turn on, off, on, off.
     The engine's run-to-run spread is on vs on and off vs off; on vs off must be within it: exactly
-    equal where the engine repeats itself exactly, else no larger (max |delta| on the same context)."""
+    equal where the engine repeats itself exactly, else of the same size (max and mean |delta| on
+    the same context at most twice the spread's: if on and off behave alike the four passes are
+    exchangeable, so "no larger than the spread" would fail about half the time by chance alone;
+    a mode that changed the numbers shows gaps of another order, e.g. 2.29 seen when contexts differ)."""
     r = runs["on"]
     spread = [_passes_gap(r["one_on"], r["one_on2"]), _passes_gap(r["one_off"], r["one_off2"])]
     cross = [_passes_gap(r["one_on"], r["one_off"]), _passes_gap(r["one_on2"], r["one_off2"])]
     for name, gaps in (("spread (on vs on, off vs off)", spread), ("mode on vs switched off", cross)):
         print(f"\none engine, {name}: " + "; ".join(
             f"greedy {g['greedy_identical']}/{g['greedy']} sequences identical, logprobs on the same context "
-            f"{g['equal']}/{g['positions']} exactly equal, max |delta| {g['max_delta']:.3g}" for g in gaps))
+            f"{g['equal']}/{g['positions']} exactly equal, max |delta| {g['max_delta']:.3g}, mean "
+            f"{g['mean_delta']:.2g}" for g in gaps))
     seeded = [(a, b, sum(x == y for x, y in zip(r[a]["seeded"], r[b]["seeded"]))) for a, b in
               (("one_on", "one_on2"), ("one_off", "one_off2"), ("one_on", "one_off"), ("one_on2", "one_off2"))]
     print("one engine, seeded sampling (temperature 0.8, top-k 50, top-p 0.9), sequences identical: "
@@ -259,7 +262,8 @@ def test_mode_on_and_off_in_one_engine_agree_within_its_spread(runs):
     if limit == 0 and all(g["greedy_identical"] == g["greedy"] for g in spread):
         assert all(g["max_delta"] == 0 and g["greedy_identical"] == g["greedy"] for g in cross), cross
     else:
-        assert all(g["max_delta"] <= limit for g in cross), (cross, spread)
+        mean_limit = max(g["mean_delta"] for g in spread)
+        assert all(g["max_delta"] <= 2 * limit and g["mean_delta"] <= 2 * mean_limit for g in cross), (cross, spread)
 
 
 def test_sampling_and_logprob_batches_fall_back(runs):

@@ -344,7 +344,8 @@ def _moe_fc1_swiglu_fma_kernel(
     u3, t3, s3 = _user(uses, slot, offs_t, 3)
     rows = nb * BLOCK_R + tl.arange(0, BLOCK_R)  # interleaved: 2i gate, 2i+1 up
     row_ok = rows < 2 * I
-    w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)  # rows past 2I: read row 2I-1, never stored
+    # rows past 2I: read row 2I-1 (TMA: the next expert's rows, or zeros past the matrix), never stored
+    w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)
     row0 = (expert * (2 * I) + nb * BLOCK_R).to(tl.int32)
     if SPLIT == 1:
         h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
@@ -435,7 +436,7 @@ def _moe_fc2_fma_kernel(
     u3, t3, s3 = _user(uses, slot, offs_t, 3)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < H
-    w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: read row H-1, never stored
+    w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: row H-1 (TMA: the next expert's), never stored
     y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
                                   I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
