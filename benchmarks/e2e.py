@@ -209,6 +209,10 @@ CONFIGS: tuple[Config, ...] = (
                                  "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "sm121-all-moe + the MoE's FC1 -> FC2 -> combine as programmatic dependent launches (opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_PDL", "1"))),
+    Config("sm121-all-moe-tma", {**SM121, "kv_cache_dtype": "nvfp4",
+                                 "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all-moe + the MoE GEMVs' weight tiles through a 4-stage TMA pipeline (opt-in, sm_90)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,4"))),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
