@@ -245,6 +245,11 @@ def moe_specs(family: str) -> list[Spec]:
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]
+        if nt == 1:  # FC1 routing the tokens itself (VLLM_SM121_MOE_FUSED_ROUTE=1)
+            specs.append(dataclasses.replace(
+                fc1_spec, name=fc1_spec.name[:-1] + ", fused routing]",
+                constexprs=dict(fc1_spec.constexprs, ROUTE=True, E_ROUTE=128, E_PAD=128, HAS_MAP=False),
+                ptr_types=dict(fc1_spec.ptr_types, logits_ptr="*bf16", topk_w_ptr="*fp32", topk_ids_ptr="*i32")))
         if nt == 1:  # the opt-in programmatic-dependent-launch variants (VLLM_SM121_MOE_PDL=1)
             for spec in (fc1_spec, fc2_spec):
                 specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", PDL]",

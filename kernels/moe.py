@@ -300,6 +300,23 @@ def fma_maxnreg(t: torch.Tensor) -> dict:
     return dict(maxnreg=n)
 
 
+# Routing inside the FMA FC1 (opt-in, VLLM_SM121_MOE_FUSED_ROUTE=1, read at call time): for M <= 4
+# tokens with MXFP8 activations (the fused norm's), every FC1 program routes the tokens itself
+# (``_moe_route.route_rows``, the routing kernel's code: the same ids and weights) and one of them
+# writes ids and weights for FC2, so the routing launch goes. Not with VLLM_SM121_MOE_PDL (FC2 would
+# read the routing before waiting for FC1, which now writes it). Not yet timed.
+FUSED_ROUTE_ENV = "VLLM_SM121_MOE_FUSED_ROUTE"
+
+
+def fused_route(t: torch.Tensor) -> bool:
+    if V.env_int(FUSED_ROUTE_ENV, 0) == 0:
+        return False
+    if moe_pdl(t):
+        raise ValueError(f"{FUSED_ROUTE_ENV}=1 and {PDL_ENV}=1 cannot be combined (FC2 reads the routing before "
+                         "its programmatic-launch wait, and with fused routing FC1 writes it); unset one")
+    return True
+
+
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
@@ -322,11 +339,16 @@ def _check_fma_tokens(m: int) -> None:
 
 def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor,
                        bias: torch.Tensor, topk_ids: torch.Tensor,
-                       tiles: FmaTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       tiles: FmaTiles | None = None,
+                       route: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_fc1_swiglu`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and numbers).
 
     Grid (routed slot, fc1_rows-row tile): each routed expert's rows are streamed once, as
     16-byte words, for all the tokens routed to it (``_moe_fma.py``).
+
+    ``route`` = (router_logits [M, E_global], expert_map or None, topk_weights out fp32 [M, topk]):
+    the kernel routes the tokens itself (exactly ``moe_route``'s ids and weights) and writes them
+    to ``topk_ids`` (then an output, int32 [M, topk]) and topk_weights for FC2: one launch fewer.
     """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     _check_fma_tokens(m)
@@ -345,14 +367,27 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
     else:
         ws = cnt = out  # unused
     tma = _tma_stages(a, tiles.num_stages)
+    if route is not None:
+        logits, emap, topk_w = route
+        e_route = logits.shape[1]
+        if (logits.dim() != 2 or logits.shape[0] != m or logits.stride(1) != 1 or topk_w.shape != (m, topk)
+                or topk_w.dtype != torch.float32 or topk_ids.dtype != torch.int32):
+            raise ValueError(f"fused routing: router_logits [{m}, E] (last dim contiguous), topk_weights fp32 "
+                             f"[{m}, {topk}] and int32 topk_ids expected, got {tuple(logits.shape)}, "
+                             f"{topk_w.dtype} {tuple(topk_w.shape)}, {topk_ids.dtype}")
+        route_args = (logits, topk_w, emap if emap is not None else topk_ids, logits.stride(0))
+        route_kw = dict(ROUTE=True, E_ROUTE=e_route, E_PAD=triton.next_power_of_2(e_route), HAS_MAP=emap is not None)
+    else:
+        route_args, route_kw = (topk_ids, topk_ids, topk_ids, 0), {}
     if m:
         w_words = w13.view(torch.int32)
         _moe_fc1_swiglu_fma_kernel[(m * topk, n_tiles, split)](
             a.view(torch.uint8).view(torch.int32), a_scale, w_words, w13_scale, bias, topk_ids, out,
-            out_scale, ws, cnt, _weight_desc(w_words, rows, block_g) if tma else None, m, E=e, K=k, I=i, TOPK=topk,
+            out_scale, ws, cnt, _weight_desc(w_words, rows, block_g) if tma else None, *route_args, m, E=e, K=k, I=i,
+            TOPK=topk,
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
-            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
+            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma, **route_kw,
             num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
@@ -831,6 +866,16 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     m = x.shape[0]
     if path == "auto":
         path = select_path(m)
+    if (path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16
+            and fused_route(x)):  # routing inside FC1 (opt-in): one launch fewer
+        V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
+        V.check_last_dim_contiguous("router_logits", router_logits)
+        topk_w = torch.empty(m, topk, dtype=torch.float32, device=x.device)
+        topk_ids = torch.empty(m, topk, dtype=torch.int32, device=x.device)
+        tiles = fma_tiles(x, m)
+        h, h_scale = moe_fc1_swiglu_fma(x, x_scale, w13, w13_scale, w13_bias, topk_ids, tiles,
+                                        route=(router_logits, expert_map, topk_w))
+        return moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, tiles)
     # every path: routing and the MXFP8 quantization of bf16 x in one launch (not per FC1 program)
     if x.dtype == torch.bfloat16:
         topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)

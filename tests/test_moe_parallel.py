@@ -144,3 +144,27 @@ def test_method_routes_through_vllms_expert_map_under_ep(device):
     eplb = make_moe_config(c)
     eplb.moe_parallel_config = dataclasses.replace(eplb.moe_parallel_config, enable_eplb=True)
     assert unsupported_reason(types.SimpleNamespace(moe_config=eplb)) == "EPLB (expert load balancing)"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_fused_routing_in_fc1_equals_the_routing_launch(device, m, monkeypatch):
+    """$VLLM_SM121_MOE_FUSED_ROUTE=1: FC1 routes the tokens itself (the routing kernel's code) and
+    writes ids and weights for FC2, so moe_block gives bit-identical outputs with one launch fewer,
+    also on an EP rank (expert_map) and with a NaN logit row (a padded row of a captured graph)."""
+    weights = _full(seed=5)
+    x, logits = _inputs(m, seed=6)
+    logits[-1, 7] = float("nan")
+    xq, xs = K.mxfp8_quantize(x.to(device))
+    dev = [w.to(device) for w in weights]
+    cases = [(dev, None)] + [([w.to(device) for w in shard], emap.to(device)) for shard, emap in ep_shards(weights, 2)]
+    for ws, emap in cases:
+        monkeypatch.delenv(K.FUSED_ROUTE_ENV, raising=False)
+        plain = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
+        monkeypatch.setenv(K.FUSED_ROUTE_ENV, "1")
+        fused = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
+        assert torch.isfinite(fused.float()).all() and fused.float().abs().max() > 0.1
+        assert torch.equal(fused.cpu(), plain.cpu()), (m, emap is not None)
+    monkeypatch.setattr(K, "moe_pdl", lambda t: {"PDL": True})
+    with pytest.raises(ValueError, match="VLLM_SM121_MOE_PDL"):
+        K.moe_block(xq, logits.to(device), *dev, TOPK, x_scale=xs, path="fma")

@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte
-from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens
+from ._moe_route import route_rows
+from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens, routed_tokens_of
 
 E2M1_MASK = tl.constexpr(-2118123520)  # 0x81C00000 as int32: sign bit + fp32 bits 24..22
 TWO_127 = tl.constexpr(1.7014118346046923e38)  # 2**127
@@ -308,6 +309,10 @@ def _moe_fc1_swiglu_fma_kernel(
     ws_ptr,  # SPLIT > 1: [M * TOPK, 2I / BLOCK_R, SPLIT, NT, BLOCK_R] fp32 partial dot products
     cnt_ptr,  # SPLIT > 1: [M * TOPK * 2I / BLOCK_R] int32 arrival counters, zero before and after each launch
     w_desc,  # TMA > 0: tensor descriptor of w as [E * 2I, K / 8] int32, block [BLOCK_R, 4 * BLOCK_G]; else None
+    logits_ptr,  # ROUTE: [M, E_ROUTE] router logits, routed here (topk_ids_ptr / topk_w_ptr are then outputs)
+    topk_w_ptr,  # ROUTE: [M, TOPK] fp32 out (written by program (0, 0, 0), for FC2)
+    expert_map_ptr,  # ROUTE and HAS_MAP: [E_ROUTE] int32 global -> local expert id or -1
+    stride_l,  # ROUTE: the logits' row stride
     M,  # tokens (<= NT)
     E: tl.constexpr,
     K: tl.constexpr,  # multiple of 64
@@ -327,13 +332,30 @@ def _moe_fc1_swiglu_fma_kernel(
     SPLIT: tl.constexpr = 1,  # K splits (grid axis 2); the last split of a tile to finish does the epilogue
     GPS: tl.constexpr = 0,  # 32-value groups per split: a multiple of BLOCK_G, SPLIT * GPS >= K / 32 (0: K / 32)
     TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
+    ROUTE: tl.constexpr = False,  # route the M tokens here (``route_rows``, as _moe_route_kernel) instead of reading ids
+    E_ROUTE: tl.constexpr = 0,  # ROUTE: router experts (the logits' width; E is this rank's experts)
+    E_PAD: tl.constexpr = 1,  # ROUTE: power of two >= E_ROUTE
+    HAS_MAP: tl.constexpr = False,  # ROUTE: expert parallelism (expert_map_ptr)
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
         pdl_wait_then_release()
     p = tl.program_id(0)
     if p >= M * TOPK:
         return
-    expert, first, uses, slot, _hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
+    if ROUTE:  # every program routes the M <= 4 tokens (a few hundred logits); one writes them for FC2
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_j = tl.arange(0, TOPK_PAD)[None, :]
+        rw, rids = route_rows(logits_ptr, stride_l, offs_t, offs_t < M, expert_map_ptr, E_ROUTE, E_PAD, TOPK,
+                              TOPK_PAD, HAS_MAP)
+        mine = (offs_t[:, None] * TOPK + offs_j == p) & (offs_j < TOPK)
+        writer = (p == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
+        out_ok = writer & (offs_t[:, None] < M) & (offs_j < TOPK)
+        tl.store(topk_w_ptr + offs_t[:, None] * TOPK + offs_j, rw, mask=out_ok)
+        tl.store(topk_ids_ptr + offs_t[:, None] * TOPK + offs_j, rids, mask=out_ok)
+        expert, first, uses, slot, _hit = routed_tokens_of(rids, tl.sum(tl.where(mine, rids, 0)), p, 0, M, E, TOPK,
+                                                           TOPK_PAD, BLOCK_T)
+    else:
+        expert, first, uses, slot, _hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
     if not first:
         return
     nb = tl.program_id(1)

@@ -21,6 +21,41 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def route_rows(logits_ptr, stride_l, rows, rows_ok, expert_map_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
+               TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Routing of the router-logit rows ``rows`` [R] (``rows_ok`` masks them): (weights fp32 [R,
+    TOPK_PAD], ids int32 [R, TOPK_PAD]), slots >= TOPK zero. Shared by ``_moe_route_kernel`` (one
+    row per program) and the FMA FC1 with fused routing (every program routes the M <= 4 tokens)."""
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + offs[None, :],
+                     mask=rows_ok[:, None] & (offs[None, :] < E), other=0.0).to(tl.float32)
+    logits = tl.where(logits != logits, -FLT_MAX, logits)  # NaN -> lowest
+    logits = tl.minimum(tl.maximum(logits, -FLT_MAX), FLT_MAX)  # all finite from here
+    avail = (offs[None, :] < E) & rows_ok[:, None]
+    slots = tl.arange(0, TOPK_PAD)[None, :]
+    vals = tl.zeros([rows.shape[0], TOPK_PAD], dtype=tl.float32)
+    ids = tl.zeros([rows.shape[0], TOPK_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(tl.where(avail, logits, -FLT_MAX), axis=1)
+        idx = tl.min(tl.where(avail & (logits == best[:, None]), offs[None, :], E_PAD), axis=1)
+        idx = tl.minimum(idx, E - 1)  # unreachable (avail holds >= 1 expert while j < TOPK <= E)
+        vals = tl.where(slots == j, best[:, None], vals)
+        ids = tl.where(slots == j, idx[:, None], ids)
+        avail = avail & (offs[None, :] != idx[:, None])
+    top = tl.max(tl.where(slots < TOPK, vals, -FLT_MAX), axis=1)
+    p = tl.where(slots < TOPK, tl.exp(vals - top[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]  # >= 1: the best slot contributes exp(0)
+    if HAS_MAP:
+        loc = tl.load(expert_map_ptr + ids, mask=(slots < TOPK) & rows_ok[:, None], other=-1)
+        here = (loc >= 0) & (slots < TOPK)
+        p = tl.where(here, p, 0.0)
+        first_here = tl.min(tl.where(here, slots, TOPK_PAD), axis=1)
+        borrow = tl.sum(tl.where(slots == first_here[:, None], loc, 0), axis=1)  # 0 when no slot is here
+        ids = tl.where(here, loc, borrow[:, None])
+    return p, ids
+
+
+@triton.jit
 def _moe_route_kernel(
     logits_ptr,  # [M, E] router logits (bf16/fp16/fp32)
     topk_w_ptr,  # [M, TOPK] fp32: softmax over the selected logits (= softmax over all, renormalized)
@@ -43,32 +78,12 @@ def _moe_route_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     if ROUTE:
-        offs = tl.arange(0, E_PAD)
-        logits = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=0.0).to(tl.float32)
-        logits = tl.where(logits != logits, -FLT_MAX, logits)  # NaN -> lowest
-        logits = tl.minimum(tl.maximum(logits, -FLT_MAX), FLT_MAX)  # all finite from here
-        avail = offs < E
-        slots = tl.arange(0, TOPK_PAD)
-        vals = tl.zeros([TOPK_PAD], dtype=tl.float32)
-        ids = tl.zeros([TOPK_PAD], dtype=tl.int32)
-        for j in tl.static_range(TOPK):
-            best = tl.max(tl.where(avail, logits, -FLT_MAX), axis=0)
-            idx = tl.min(tl.where(avail & (logits == best), offs, E_PAD), axis=0)
-            idx = tl.minimum(idx, E - 1)  # unreachable (avail holds >= 1 expert while j < TOPK <= E)
-            vals = tl.where(slots == j, best, vals)
-            ids = tl.where(slots == j, idx, ids)
-            avail = avail & (offs != idx)
-        p = tl.where(slots < TOPK, tl.exp(vals - tl.max(tl.where(slots < TOPK, vals, -FLT_MAX), axis=0)), 0.0)
-        p = p / tl.sum(p, axis=0)  # >= 1: the best slot contributes exp(0)
-        if HAS_MAP:
-            loc = tl.load(expert_map_ptr + ids, mask=slots < TOPK, other=-1)
-            here = (loc >= 0) & (slots < TOPK)
-            p = tl.where(here, p, 0.0)
-            first_here = tl.min(tl.where(here, slots, TOPK_PAD), axis=0)
-            borrow = tl.sum(tl.where(slots == first_here, loc, 0), axis=0)  # 0 when no slot is here
-            ids = tl.where(here, loc, borrow)
-        tl.store(topk_w_ptr + row * TOPK + slots, p, mask=slots < TOPK)
-        tl.store(topk_ids_ptr + row * TOPK + slots, ids, mask=slots < TOPK)
+        rows = row + tl.arange(0, 1)
+        p, ids = route_rows(logits_ptr, stride_l, rows, rows == row, expert_map_ptr, E, E_PAD, TOPK, TOPK_PAD,
+                            HAS_MAP)
+        slots = tl.arange(0, TOPK_PAD)[None, :]
+        tl.store(topk_w_ptr + rows[:, None] * TOPK + slots, p, mask=slots < TOPK)
+        tl.store(topk_ids_ptr + rows[:, None] * TOPK + slots, ids, mask=slots < TOPK)
     if QUANT:
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)

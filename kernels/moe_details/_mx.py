@@ -184,8 +184,20 @@ def routed_tokens(topk_ids_ptr, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, T
     tok = t0 + offs_t
     slot_ok = (tok[:, None] < M) & (offs_j[None, :] < TOPK)
     ids = tl.load(topk_ids_ptr + tok[:, None] * TOPK + offs_j[None, :], mask=slot_ok, other=0)
+    return routed_tokens_of(ids, tl.load(topk_ids_ptr + p), p, t0, M, E, TOPK, TOPK_PAD, BLOCK_M)
+
+
+@triton.jit
+def routed_tokens_of(ids, expert, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """``routed_tokens`` on ids already in registers: ``ids`` [BLOCK_M, TOPK_PAD] of the block's
+    tokens (slots >= TOPK and tokens >= M ignored), ``expert`` = slot p's id."""
+    offs_t = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, TOPK_PAD)
+    tok = t0 + offs_t
+    slot_ok = (tok[:, None] < M) & (offs_j[None, :] < TOPK)
     ids = tl.minimum(tl.maximum(ids, 0), E - 1)
-    expert = tl.minimum(tl.maximum(tl.load(topk_ids_ptr + p), 0), E - 1)
+    expert = tl.minimum(tl.maximum(expert, 0), E - 1)
     hit = slot_ok & (ids == expert)
     local = offs_t[:, None] * TOPK + offs_j[None, :]
     first = tl.sum((hit & (local < p - t0 * TOPK)).to(tl.int32)) == 0
