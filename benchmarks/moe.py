@@ -34,6 +34,9 @@ and ``layer(x, router_logits)`` runs under ``set_forward_context``, i.e. MoERunn
                     launcher ``moe_block(path=...)`` only; fma: CUDA-core GEMVs, in chunks of 4
                     tokens above 4 (one routing launch);
                     decode: tl.dot_scaled GEMVs; grouped: GEMMs over expert-sorted pairs).
+                    sm121_fmaq: the fma path handed MXFP8 activations, as the fused norm hands
+                    them in the model (quantized once outside the timing; routing only, or
+                    inside FC1 with VLLM_SM121_MOE_FUSED_ROUTE=1).
     triton          ``GptOssMxfp4MoEMethod`` with ``--moe-backend triton``: vLLM's default on sm_90
                     (vendored triton_kernels ``matmul_ogs``, bf16 x mxfp4).
     marlin          ``GptOssMxfp4MoEMethod`` with ``--moe-backend marlin`` (W4A16; GB10's default).
@@ -85,7 +88,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import _version, git_info  # noqa: E402  (benchmarks/e2e.py: versions and commit, as the e2e JSON)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROVIDERS = ("sm121", "sm121_fma", "sm121_decode", "sm121_grouped", "triton", "marlin")
+PROVIDERS = ("sm121", "sm121_fma", "sm121_decode", "sm121_grouped", "triton", "marlin", "sm121_fmaq")
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FLUSH_BYTES = 256 << 20
 FMA_MAX_M = 4  # kernels.moe.FMA_KERNEL_MAX_TOKENS (checked in tests/test_moe_bench.py)
@@ -300,15 +303,23 @@ def make_vllm_layer(provider: str, args, weights: dict, device: str = "cuda"):
 
 
 def make_kernel_path(path: str, args, weights: dict):
-    from vllm_sm121.kernels.moe import moe_block
+    from vllm_sm121.kernels.moe import moe_block, mxfp8_quantize
 
     w = weights
+    prequant = path == "fmaq"
+    path = "fma" if prequant else path
+    cache: dict = {}
 
     def fn(x, logits):
+        x_scale = None
+        if prequant:  # MXFP8 input as the fused norm gives it: quantized once, outside the timed graph
+            if cache.get("x") is not x:
+                cache.update(x=x, q=mxfp8_quantize(x))
+            x, x_scale = cache["q"]
         return moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], w["w2_weight"],
-                         w["w2_weight_scale"], w["w2_bias"], args.topk, path=path)
+                         w["w2_weight_scale"], w["w2_bias"], args.topk, x_scale=x_scale, path=path)
 
-    return fn, f"kernels.moe.moe_block(path={path})"
+    return fn, f"kernels.moe.moe_block(path={path}{', MXFP8 input' if prequant else ''})"
 
 
 def make_provider(provider: str, args, weights: dict, device):
