@@ -245,6 +245,9 @@ def moe_specs(family: str) -> list[Spec]:
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]
+        specs.append(dataclasses.replace(  # FC2 with the combine inside (VLLM_SM121_MOE_FUSED_COMBINE=1)
+            fc2_spec, name=fc2_spec.name[:-1] + ", fused combine]", constexprs=dict(fc2_spec.constexprs, COMBINE=True),
+            ptr_types=dict(fc2_spec.ptr_types, out_ptr="*bf16", cnt_ptr="*i32")))
         if nt == 1:  # FC1 routing the tokens itself (VLLM_SM121_MOE_FUSED_ROUTE=1)
             specs.append(dataclasses.replace(
                 fc1_spec, name=fc1_spec.name[:-1] + ", fused routing]",

@@ -317,6 +317,16 @@ def fused_route(t: torch.Tensor) -> bool:
     return True
 
 
+# The combine inside FC2 (opt-in, VLLM_SM121_MOE_FUSED_COMBINE=1, read at call time): the last FC2
+# program of each row tile to finish sums the partials in the combine kernel's order
+# (``_moe_fma._combine_when_last``: bit-identical output), so the combine launch goes. Not yet timed.
+FUSED_COMBINE_ENV = "VLLM_SM121_MOE_FUSED_COMBINE"
+
+
+def fused_combine(t: torch.Tensor) -> bool:
+    return V.env_int(FUSED_COMBINE_ENV, 0) != 0
+
+
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
@@ -425,13 +435,15 @@ _RETIRED_COUNTERS: list[torch.Tensor] = []  # replaced buffers stay allocated: c
 SPLIT_COUNTERS_MIN = 1 << 14
 
 
-def split_counters(device: torch.device, n: int = SPLIT_COUNTERS_MIN) -> torch.Tensor:
-    key = str(device)
+def split_counters(device: torch.device, n: int = SPLIT_COUNTERS_MIN, purpose: str = "fc1") -> torch.Tensor:
+    """The zeroed arrival counters of ``purpose`` ("fc1": FC1 split-K; "fc2": FC2's fused combine,
+    apart so that a PDL-launched FC2 never shares one with a running FC1) on ``device``."""
+    key = f"{device}:{purpose}"
     buf = _SPLIT_COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the FMA MoE's FC1 split-K counters for {n} tiles were first needed inside a CUDA "
-                               "graph capture; run the layer once eagerly at that batch size first (vLLM does)")
+            raise RuntimeError(f"the FMA MoE's {purpose} arrival counters for {n} tiles were first needed inside a "
+                               "CUDA graph capture; run the layer once eagerly at that batch size first (vLLM does)")
         if buf is not None:
             _RETIRED_COUNTERS.append(buf)
         buf = torch.zeros(max(n, SPLIT_COUNTERS_MIN), dtype=torch.int32, device=device)
@@ -463,14 +475,18 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     part = torch.empty(m * topk * split, hidden, dtype=torch.float32, device=h.device)
     pdl = moe_pdl(h)
     tma = _tma_stages(h, stages)
+    n_tiles = -(-hidden // rows)
+    combine = fused_combine(h)
+    cnt = split_counters(h.device, n_tiles, "fc2") if combine and m else part
     if m:
         w_words = w2.view(torch.int32)
-        _moe_fc2_fma_kernel[(m * topk, -(-hidden // rows), split)](
+        _moe_fc2_fma_kernel[(m * topk, n_tiles, split)](
             h.view(torch.uint8).view(torch.int32), h_scale, w_words, w2_scale, bias, topk_ids,
-            topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, m, E=e, H=hidden, I=i,
-            TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
-            BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
-            num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h))
+            topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, out, cnt, m, E=e, H=hidden,
+            I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
+            BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
+            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h))
+    if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,

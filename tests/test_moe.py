@@ -424,19 +424,20 @@ def test_fma_register_cap_gives_the_same_block_on_gpu(cap, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
-def test_fused_routing_equals_the_routing_launch_on_gpu(m, monkeypatch):
-    """$VLLM_SM121_MOE_FUSED_ROUTE=1 at gpt-oss-120b shapes, eager and replayed in a CUDA graph:
-    bit-identical to the routing launch + FC1 + FC2 + combine."""
+@pytest.mark.parametrize("env", ["VLLM_SM121_MOE_FUSED_ROUTE", "VLLM_SM121_MOE_FUSED_COMBINE"])
+def test_fused_routing_equals_the_routing_launch_on_gpu(m, env, monkeypatch):
+    """$VLLM_SM121_MOE_FUSED_ROUTE=1 / $VLLM_SM121_MOE_FUSED_COMBINE=1 at gpt-oss-120b shapes, eager
+    and replayed in a CUDA graph: bit-identical to the routing launch + FC1 + FC2 + combine."""
     from vllm_sm121.kernels import moe as K
 
     args = _gpt_oss_layer(128, seed=11)
     g = torch.Generator().manual_seed(12)
     xq, xs = K.mxfp8_quantize(torch.randn(m, 2880, generator=g).bfloat16().cuda())
     logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
-    monkeypatch.delenv(K.PDL_ENV, raising=False)
-    monkeypatch.delenv(K.FUSED_ROUTE_ENV, raising=False)
+    for var in (K.PDL_ENV, K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV):
+        monkeypatch.delenv(var, raising=False)
     ref = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
-    monkeypatch.setenv(K.FUSED_ROUTE_ENV, "1")
+    monkeypatch.setenv(env, "1")
     assert torch.equal(K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma"), ref)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

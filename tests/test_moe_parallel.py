@@ -147,24 +147,43 @@ def test_method_routes_through_vllms_expert_map_under_ep(device):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("m", [1, 3, 4])
-def test_fused_routing_in_fc1_equals_the_routing_launch(device, m, monkeypatch):
+@pytest.mark.parametrize("m,fused,ep,tiles", [
+    (1, "route", True, (None,)), (3, "route", True, (None,)),
+    (1, "combine", False, (None, "64,16,32,16,2,1,0,0,2")),  # + FC2 split-K
+    (3, "combine", False, (None, "64,16,32,16,2,1,0,0,2")),  # 12 slots on 8 experts: duplicate programs
+    (4, "route+combine", True, ("64,16,32,16,2,1,0,0,2",)),
+])
+def test_fused_routing_and_combine_equal_their_launches(device, m, fused, ep, tiles, monkeypatch):
     """$VLLM_SM121_MOE_FUSED_ROUTE=1: FC1 routes the tokens itself (the routing kernel's code) and
-    writes ids and weights for FC2, so moe_block gives bit-identical outputs with one launch fewer,
-    also on an EP rank (expert_map) and with a NaN logit row (a padded row of a captured graph)."""
+    writes ids and weights for FC2; $VLLM_SM121_MOE_FUSED_COMBINE=1: the last FC2 program of each
+    row tile sums the partials (the combine kernel's order). Either way, and both, moe_block gives
+    bit-identical outputs with fewer launches, also on an EP rank (expert_map: slots routed off the
+    rank repeat a local expert, so FC2 has duplicate programs), with a NaN logit row, and with FC2
+    split-K; the combine's counters are back at 0 after each launch."""
     weights = _full(seed=5)
     x, logits = _inputs(m, seed=6)
     logits[-1, 7] = float("nan")
     xq, xs = K.mxfp8_quantize(x.to(device))
     dev = [w.to(device) for w in weights]
-    cases = [(dev, None)] + [([w.to(device) for w in shard], emap.to(device)) for shard, emap in ep_shards(weights, 2)]
-    for ws, emap in cases:
-        monkeypatch.delenv(K.FUSED_ROUTE_ENV, raising=False)
+    cases = [(dev, None)]
+    if ep:
+        cases += [([w.to(device) for w in shard], emap.to(device)) for shard, emap in ep_shards(weights, 2)][:1]
+    for (ws, emap), tile in [(c, t) for c in cases for t in tiles]:
+        for env in (K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV, K.FMA_TILES_ENV):
+            monkeypatch.delenv(env, raising=False)
+        if tile:
+            monkeypatch.setenv(K.FMA_TILES_ENV, tile)
         plain = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
-        monkeypatch.setenv(K.FUSED_ROUTE_ENV, "1")
-        fused = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
-        assert torch.isfinite(fused.float()).all() and fused.float().abs().max() > 0.1
-        assert torch.equal(fused.cpu(), plain.cpu()), (m, emap is not None)
-    monkeypatch.setattr(K, "moe_pdl", lambda t: {"PDL": True})
-    with pytest.raises(ValueError, match="VLLM_SM121_MOE_PDL"):
-        K.moe_block(xq, logits.to(device), *dev, TOPK, x_scale=xs, path="fma")
+        if "route" in fused:
+            monkeypatch.setenv(K.FUSED_ROUTE_ENV, "1")
+        if "combine" in fused:
+            monkeypatch.setenv(K.FUSED_COMBINE_ENV, "1")
+        out = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
+        assert torch.isfinite(out.float()).all() and out.float().abs().max() > 0.1
+        assert torch.equal(out.cpu(), plain.cpu()), (m, emap is not None, tile)
+        if "combine" in fused:
+            assert int(K.split_counters(xq.device, purpose="fc2").abs().sum()) == 0
+    if "route" in fused:
+        monkeypatch.setattr(K, "moe_pdl", lambda t: {"PDL": True})
+        with pytest.raises(ValueError, match="VLLM_SM121_MOE_PDL"):
+            K.moe_block(xq, logits.to(device), *dev, TOPK, x_scale=xs, path="fma")

@@ -51,7 +51,7 @@ first weights).
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import _pow2, e4m3_word_byte
+from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, to_bf16_rne
 from ._moe_route import route_rows
 from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens, routed_tokens_of
 
@@ -413,6 +413,28 @@ def _hit_row(hit, offs_t, tok):
 
 
 @triton.jit
+def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLIT: tl.constexpr, NT: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    """The combine without its launch: every program of row tile program_id(1) arrives here once
+    (after storing its partials; a duplicate slot's program at once). The one that arrives last
+    (counter at M * TOPK_SPLIT - 1; acq_rel after a CTA barrier, as ``_split_fixup``) resets the
+    counter and sums each token's TOPK_SPLIT partial rows in order from zero, exactly as
+    ``_moe_combine_kernel``, into bf16 ``out`` [M, H]."""
+    tile = tl.program_id(1)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == M * TOPK_SPLIT - 1:
+        tl.store(cnt_ptr + tile, 0)
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        for t in tl.static_range(NT):
+            ok = (rows < H) & (t < M)
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for j in tl.static_range(TOPK_SPLIT):
+                acc += tl.load(part_ptr + (t * TOPK_SPLIT + j) * H + rows, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t * H + rows, to_bf16_rne(acc), mask=ok)
+
+
+@triton.jit
 def _moe_fc2_fma_kernel(
     h_ptr,  # [M * TOPK, I / 4] int32: FC1 output (MXFP8 e4m3) viewed as words, row = token * TOPK + slot
     h_scale_ptr,  # [M * TOPK, I / 32] uint8 e8m0
@@ -423,6 +445,8 @@ def _moe_fc2_fma_kernel(
     topk_w_ptr,  # [M, TOPK] fp32
     part_ptr,  # [M * TOPK * SPLIT, H] fp32: w_j * (h_j @ W2[e_j]^T (this split's K range) + b2[e_j] (split 0))
     w_desc,  # TMA > 0: tensor descriptor of w as [E * H, I / 8] int32, block [BLOCK_R, 4 * BLOCK_G]; else None
+    out_ptr,  # COMBINE: [M, H] bf16, the block's output (the last program of each row tile sums the partials)
+    cnt_ptr,  # COMBINE: [H / BLOCK_R] int32 arrival counters, zero before and after each launch
     M,
     E: tl.constexpr,
     H: tl.constexpr,
@@ -439,12 +463,15 @@ def _moe_fc2_fma_kernel(
     F16X2: tl.constexpr,
     PDL: tl.constexpr = False,  # a programmatic dependent of FC1: routing + first weights before the wait
     TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
+    COMBINE: tl.constexpr = False,  # sum the partials into out_ptr here (no combine launch)
 ):
     p = tl.program_id(0)
     if p >= M * TOPK:  # (a program that exits releases the next launch as a wait would)
         return
     expert, first, uses, slot, hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
     if not first:
+        if COMBINE:  # a duplicate slot still counts itself in on its row tile
+            _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R)
         return
     if SPLIT == 1:
         split = 0
@@ -477,3 +504,5 @@ def _moe_fc2_fma_kernel(
     if NT > 3:
         _fc2_epilogue(y3 + bias, t3, s3, _hit_row(hit, offs_t, t3), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u3,
                       split, H, TOPK, SPLIT)
+    if COMBINE:
+        _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R)

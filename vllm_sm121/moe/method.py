@@ -166,6 +166,7 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
             from vllm_sm121.kernels.moe import split_counters
 
             split_counters(layer.w13_weight.device)
+            split_counters(layer.w13_weight.device, purpose="fc2")
         emap = local_expert_map(layer)
         if emap is not None and (emap.dtype != torch.int32 or emap.shape != (self.moe.num_experts,)):
             raise ValueError(f"expert_map: expected int32 [{self.moe.num_experts}] (global -> local expert), got "
