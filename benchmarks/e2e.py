@@ -213,6 +213,11 @@ CONFIGS: tuple[Config, ...] = (
                                  "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "sm121-all-moe + the MoE GEMVs' weight tiles through a 4-stage TMA pipeline (opt-in, sm_90)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,4"))),
+    Config("sm121-all-moe-fused", {**SM121, "kv_cache_dtype": "nvfp4",
+                                   "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all-moe + routing inside FC1 and the combine inside FC2 (2 MoE launches per layer, opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
+                ("VLLM_SM121_MOE_FUSED_COMBINE", "1"))),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
