@@ -379,12 +379,14 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
     tma = _tma_stages(a, tiles.num_stages)
     if route is not None:
         logits, emap, topk_w = route
-        e_route = logits.shape[1]
-        if (logits.dim() != 2 or logits.shape[0] != m or logits.stride(1) != 1 or topk_w.shape != (m, topk)
-                or topk_w.dtype != torch.float32 or topk_ids.dtype != torch.int32):
-            raise ValueError(f"fused routing: router_logits [{m}, E] (last dim contiguous), topk_weights fp32 "
-                             f"[{m}, {topk}] and int32 topk_ids expected, got {tuple(logits.shape)}, "
-                             f"{topk_w.dtype} {tuple(topk_w.shape)}, {topk_ids.dtype}")
+        m_route, e_route = _check_route(logits, topk, emap)
+        if m_route != m or topk_w.shape != (m, topk) or topk_w.dtype != torch.float32 or topk_ids.dtype != torch.int32:
+            raise ValueError(f"fused routing: router_logits [{m}, E], topk_weights fp32 [{m}, {topk}] and int32 "
+                             f"topk_ids expected, got {tuple(logits.shape)}, {topk_w.dtype} {tuple(topk_w.shape)}, "
+                             f"{topk_ids.dtype}")
+        if moe_pdl(a):
+            raise ValueError(f"fused routing cannot run with {PDL_ENV}=1 (FC2 would read the routing before its "
+                             "programmatic-launch wait); unset it")
         route_args = (logits, topk_w, emap if emap is not None else topk_ids, logits.stride(0))
         route_kw = dict(ROUTE=True, E_ROUTE=e_route, E_PAD=triton.next_power_of_2(e_route), HAS_MAP=emap is not None)
     else:
@@ -556,6 +558,20 @@ def moe_fc2_combine_torch(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights
 
 # ---- routing ---------------------------------------------------------------------------------
 
+def _check_route(router_logits: torch.Tensor, topk: int, expert_map: torch.Tensor | None) -> tuple[int, int]:
+    """(M, E) of routing inputs (``moe_route`` and the fused routing of ``moe_fc1_swiglu_fma``)."""
+    V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
+    V.check_last_dim_contiguous("router_logits", router_logits)
+    m, e = router_logits.shape
+    if not 0 < topk <= e:
+        raise ValueError(f"topk={topk} is not supported for {e} experts; supported: 1..{e}")
+    if expert_map is not None:
+        if expert_map.shape != (e,) or expert_map.dtype != torch.int32 or expert_map.device != router_logits.device:
+            raise ValueError(f"expert_map must be int32 [{e}] on {router_logits.device}, got {expert_map.dtype} "
+                             f"{tuple(expert_map.shape)} on {expert_map.device}")
+    return m, e
+
+
 def moe_route(router_logits: torch.Tensor, topk: int, x: torch.Tensor | None = None,
               expert_map: torch.Tensor | None = None):
     """gpt-oss routing: (topk_weights fp32 [M, topk], topk_ids int32 [M, topk]), the top-k logits in
@@ -569,15 +585,7 @@ def moe_route(router_logits: torch.Tensor, topk: int, x: torch.Tensor | None = N
     local; slots on other ranks get weight 0 and a local id the token already uses (or 0), so
     summing every rank's ``moe_block`` output gives the unsharded block's.
     """
-    V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
-    V.check_last_dim_contiguous("router_logits", router_logits)
-    m, e = router_logits.shape
-    if not 0 < topk <= e:
-        raise ValueError(f"topk={topk} is not supported for {e} experts; supported: 1..{e}")
-    if expert_map is not None:
-        if expert_map.shape != (e,) or expert_map.dtype != torch.int32 or expert_map.device != router_logits.device:
-            raise ValueError(f"expert_map must be int32 [{e}] on {router_logits.device}, got {expert_map.dtype} "
-                             f"{tuple(expert_map.shape)} on {expert_map.device}")
+    m, e = _check_route(router_logits, topk, expert_map)
     dev = router_logits.device
     topk_w = torch.empty(m, topk, dtype=torch.float32, device=dev)
     topk_ids = torch.empty(m, topk, dtype=torch.int32, device=dev)
@@ -884,8 +892,6 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         path = select_path(m)
     if (path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16
             and fused_route(x)):  # routing inside FC1 (opt-in): one launch fewer
-        V.check_ndim("router_logits", router_logits, 2, "[num_tokens, num_experts]")
-        V.check_last_dim_contiguous("router_logits", router_logits)
         topk_w = torch.empty(m, topk, dtype=torch.float32, device=x.device)
         topk_ids = torch.empty(m, topk, dtype=torch.int32, device=x.device)
         tiles = fma_tiles(x, m)

@@ -424,10 +424,13 @@ def test_fma_register_cap_gives_the_same_block_on_gpu(cap, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
-@pytest.mark.parametrize("env", ["VLLM_SM121_MOE_FUSED_ROUTE", "VLLM_SM121_MOE_FUSED_COMBINE"])
+@pytest.mark.parametrize("env", ["VLLM_SM121_MOE_FUSED_ROUTE", "VLLM_SM121_MOE_FUSED_COMBINE",
+                                 "VLLM_SM121_MOE_FUSED_ROUTE,VLLM_SM121_MOE_FUSED_COMBINE"])
 def test_fused_routing_equals_the_routing_launch_on_gpu(m, env, monkeypatch):
-    """$VLLM_SM121_MOE_FUSED_ROUTE=1 / $VLLM_SM121_MOE_FUSED_COMBINE=1 at gpt-oss-120b shapes, eager
-    and replayed in a CUDA graph: bit-identical to the routing launch + FC1 + FC2 + combine."""
+    """$VLLM_SM121_MOE_FUSED_ROUTE=1 / $VLLM_SM121_MOE_FUSED_COMBINE=1 (and both) at gpt-oss-120b
+    shapes, eager and replayed in a CUDA graph: bit-identical to the routing launch + FC1 + FC2 +
+    combine, and the fused FC1's routing bit-identical to the routing launch's (ids and weights:
+    a summation order that followed the layout would differ by an ulp in ~1/4 of the weights)."""
     from vllm_sm121.kernels import moe as K
 
     args = _gpt_oss_layer(128, seed=11)
@@ -437,7 +440,13 @@ def test_fused_routing_equals_the_routing_launch_on_gpu(m, env, monkeypatch):
     for var in (K.PDL_ENV, K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV):
         monkeypatch.delenv(var, raising=False)
     ref = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
-    monkeypatch.setenv(env, "1")
+    if "ROUTE" in env:
+        w_ref, ids_ref = K.moe_route(logits, 4)
+        w, ids = torch.empty_like(w_ref), torch.empty_like(ids_ref)
+        K.moe_fc1_swiglu_fma(xq, xs, *args[:3], ids, route=(logits, None, w))
+        assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
+    for var in env.split(","):
+        monkeypatch.setenv(var, "1")
     assert torch.equal(K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma"), ref)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -146,6 +146,19 @@ def test_method_routes_through_vllms_expert_map_under_ep(device):
     assert unsupported_reason(types.SimpleNamespace(moe_config=eplb)) == "EPLB (expert load balancing)"
 
 
+class _launched:
+    """Stands in for a launcher (or a kernel's [grid]) that must not run."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __call__(self, *a, **k):
+        raise AssertionError(f"{self.what} was launched")
+
+    def __getitem__(self, grid):
+        return self
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m,fused,ep,tiles", [
     (1, "route", True, (None,)), (3, "route", True, (None,)),
@@ -178,7 +191,12 @@ def test_fused_routing_and_combine_equal_their_launches(device, m, fused, ep, ti
             monkeypatch.setenv(K.FUSED_ROUTE_ENV, "1")
         if "combine" in fused:
             monkeypatch.setenv(K.FUSED_COMBINE_ENV, "1")
-        out = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
+        with monkeypatch.context() as mp:  # the fused run must not launch what it fuses
+            if "route" in fused:
+                mp.setattr(K, "moe_route", _launched("the routing kernel"))
+            if "combine" in fused:
+                mp.setattr(K, "_moe_combine_kernel", _launched("the combine kernel"))
+            out = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
         assert torch.isfinite(out.float()).all() and out.float().abs().max() > 0.1
         assert torch.equal(out.cpu(), plain.cpu()), (m, emap is not None, tile)
         if "combine" in fused:

@@ -24,8 +24,9 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 def route_rows(logits_ptr, stride_l, rows, rows_ok, expert_map_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
                TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
     """Routing of the router-logit rows ``rows`` [R] (``rows_ok`` masks them): (weights fp32 [R,
-    TOPK_PAD], ids int32 [R, TOPK_PAD]), slots >= TOPK zero. Shared by ``_moe_route_kernel`` (one
-    row per program) and the FMA FC1 with fused routing (every program routes the M <= 4 tokens)."""
+    TOPK_PAD], ids int32 [R, TOPK_PAD]); slots >= TOPK have weight 0 (their ids are 0, or with
+    HAS_MAP the borrowed local id: callers mask them). Shared by ``_moe_route_kernel`` (one row per
+    program) and the FMA FC1 with fused routing (every program routes the M <= 4 tokens)."""
     offs = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + offs[None, :],
                      mask=rows_ok[:, None] & (offs[None, :] < E), other=0.0).to(tl.float32)
@@ -44,7 +45,13 @@ def route_rows(logits_ptr, stride_l, rows, rows_ok, expert_map_ptr, E: tl.conste
         avail = avail & (offs[None, :] != idx[:, None])
     top = tl.max(tl.where(slots < TOPK, vals, -FLT_MAX), axis=1)
     p = tl.where(slots < TOPK, tl.exp(vals - top[:, None]), 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]  # >= 1: the best slot contributes exp(0)
+    # the denominator in slot order whatever the layout (tl.sum's order follows the layout, i.e. the
+    # rows and warps of the caller: the routing launch and the fused FC1 must give the same bits);
+    # picking one slot out of zeros is exact
+    den = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        den += tl.sum(tl.where(slots == j, p, 0.0), axis=1)
+    p = p / den[:, None]  # den >= 1: the best slot contributes exp(0)
     if HAS_MAP:
         loc = tl.load(expert_map_ptr + ids, mask=(slots < TOPK) & rows_ok[:, None], other=-1)
         here = (loc >= 0) & (slots < TOPK)
