@@ -17,8 +17,10 @@ Providers
               threshold passes first: 8 launches for bf16 logits), workspace preallocated, as the graph runs it.
     vllm      stock's ops for the case (``vllm/v1/sample``): greedy = fp32 cast + argmax;
               temperature = fp32 cast, division, softmax, ``random_sample`` (exponential race);
-              topk_topp = the same with ``apply_top_k_top_p_pytorch`` (vLLM's native path, the one
-              it takes with $VLLM_USE_FLASHINFER_SAMPLER=0, as on the test machines).
+              topk_topp = the same with ``apply_top_k_top_p``, vLLM's own dispatcher (its native
+              path with $VLLM_USE_FLASHINFER_SAMPLER=0, as on the test machines): the torch sort
+              below 8 rows, vLLM's Triton filter (``apply_top_k_top_p_triton``) from 8 rows on.
+              (Runs up to 68b2d8d called ``apply_top_k_top_p_pytorch`` at every row count.)
 
 Timing: each provider's call captured in a CUDA graph (``benchmarks/moe.py``'s ``time_graph``, L2
 flushed before each replay), p20/p50/p80 over --reps replays: GPU time only; stock vLLM runs these
@@ -86,7 +88,7 @@ def sm121_call(case: str, logits: torch.Tensor):
 
 
 def vllm_call(case: str, logits: torch.Tensor):
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch, random_sample
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
 
     rows = logits.shape[0]
     t, k, p = _options(case, rows, logits.device)
@@ -98,7 +100,7 @@ def vllm_call(case: str, logits: torch.Tensor):
             return x.argmax(dim=-1)
         x = x.div_(t.unsqueeze(1))
         if case == "topk_topp":
-            x = apply_top_k_top_p_pytorch(x, kk, p, allow_cpu_sync=False)
+            x = apply_top_k_top_p(x, kk, p)  # vLLM's choice of kernel for this row count
         return random_sample(x.softmax(dim=-1, dtype=torch.float32), {})
 
     return run

@@ -221,7 +221,7 @@ def moe_specs(family: str) -> list[Spec]:
              constexprs=dict(decode, H=2880, I=2880, BLOCK_N=M.DECODE_FC2_BLOCK_N),
              ptr_types=dict(mx, h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", part_ptr="*fp32"),
              num_warps=M.DECODE_NUM_WARPS, num_stages=M.DECODE_NUM_STAGES),
-        Spec(name="moe_combine[H2880 top4]", fn=_moe_combine_kernel, constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=False),
+        Spec(name="moe_combine[H2880 top4]", fn=_moe_combine_kernel, constexprs=dict(H=2880, TOPK=4, BLOCK=1024),
              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
     ]
     for nt in (1, 4):  # the FMA decode GEMVs (M <= 4): one and four token accumulators, with their tiles
@@ -234,14 +234,14 @@ def moe_specs(family: str) -> list[Spec]:
             name=f"moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M{nt}]", fn=_moe_fc1_swiglu_fma_kernel,
             constexprs=dict(common, K=2880, I=2880, BLOCK_R=fma.fc1_rows, BLOCK_G=fma.fc1_kb // 16,
                             PREFETCH=fma.num_stages > 1, F16X2=True, ALPHA=1.702, LIMIT=7.0, HW_FP8=True,
-                            SPLIT=split1, GPS=gps1, w_desc=None, PDL=False, TMA=0),
+                            SPLIT=split1, GPS=gps1, w_desc=None),
             ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8",
                            cnt_ptr="*i32"),
             num_warps=fma.num_warps))
         specs.append(Spec(
             name=f"moe_fc2_fma[gpt-oss H2880 I2880 top4, M{nt}]", fn=_moe_fc2_fma_kernel,
             constexprs=dict(common, H=2880, I=2880, BLOCK_R=fma.fc2_rows, BLOCK_G=fma.fc2_kb // 16,
-                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True, w_desc=None, PDL=False, TMA=0),
+                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True, w_desc=None),
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]

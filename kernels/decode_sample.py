@@ -33,7 +33,8 @@ sampling launch and the final one: 8 + 2 = 10 launches for bf16 / fp16 logits, 1
 fp32 (the previous kernel ran 18 passes in one program per row: 5.7-5.8 ms at 1, 8 and 32 rows
 on an H200). The new kernels are tested under the Triton interpreter, compiled for sm_121a /
 sm_90a, and ran on an H200 (574be8c, ``benchmarks/sample.py``): 65.8 / 102.0 / 256.0 us per step
-at 1 / 8 / 32 rows against 282.5 / 675.0 / 1,226.6 us for vLLM's top-k / top-p sampling ops. Two differences at the top-p boundary: sums run in another order
+at 1 / 8 / 32 rows against 282.5 / 675.0 / 1,226.6 us for vLLM's torch top-k / top-p path (from 8
+rows on vLLM's dispatcher takes its Triton filter instead, not timed then). Two differences at the top-p boundary: sums run in another order
 than vLLM's cumsum (a token whose cumulative mass ties within rounding may go the other way), and
 a group of *equal* values straddling the cut is kept whole, where vLLM's sort keeps part of it in
 its own order (bf16 logits tie often: on bf16-rounded random logits the kernel kept ~0.2% more

@@ -309,12 +309,7 @@ FUSED_ROUTE_ENV = "VLLM_SM121_MOE_FUSED_ROUTE"
 
 
 def fused_route(t: torch.Tensor) -> bool:
-    if V.env_int(FUSED_ROUTE_ENV, 0) == 0:
-        return False
-    if moe_pdl(t):
-        raise ValueError(f"{FUSED_ROUTE_ENV}=1 and {PDL_ENV}=1 cannot be combined (FC2 reads the routing before "
-                         "its programmatic-launch wait, and with fused routing FC1 writes it); unset one")
-    return True
+    return V.env_int(FUSED_ROUTE_ENV, 0) != 0  # (moe_fc1_swiglu_fma refuses it together with PDL)
 
 
 # The combine inside FC2 (opt-in, VLLM_SM121_MOE_FUSED_COMBINE=1, read at call time): the last FC2
@@ -385,8 +380,8 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
                              f"topk_ids expected, got {tuple(logits.shape)}, {topk_w.dtype} {tuple(topk_w.shape)}, "
                              f"{topk_ids.dtype}")
         if moe_pdl(a):
-            raise ValueError(f"fused routing cannot run with {PDL_ENV}=1 (FC2 would read the routing before its "
-                             "programmatic-launch wait); unset it")
+            raise ValueError(f"{FUSED_ROUTE_ENV}=1 and {PDL_ENV}=1 cannot be combined (FC2 reads the routing before "
+                             "its programmatic-launch wait, and with fused routing FC1 writes it); unset one")
         route_args = (logits, topk_w, emap if emap is not None else topk_ids, logits.stride(0))
         route_kw = dict(ROUTE=True, E_ROUTE=e_route, E_PAD=triton.next_power_of_2(e_route), HAS_MAP=emap is not None)
     else:
@@ -890,16 +885,13 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     m = x.shape[0]
     if path == "auto":
         path = select_path(m)
-    if (path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16
-            and fused_route(x)):  # routing inside FC1 (opt-in): one launch fewer
+    # routing inside FC1 (opt-in, one chunk of MXFP8 tokens): FC1 fills topk_w / topk_ids
+    fuse = path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16 and fused_route(x)
+    # otherwise, every path: routing and the MXFP8 quantization of bf16 x in one launch (not per FC1 program)
+    if fuse:
         topk_w = torch.empty(m, topk, dtype=torch.float32, device=x.device)
         topk_ids = torch.empty(m, topk, dtype=torch.int32, device=x.device)
-        tiles = fma_tiles(x, m)
-        h, h_scale = moe_fc1_swiglu_fma(x, x_scale, w13, w13_scale, w13_bias, topk_ids, tiles,
-                                        route=(router_logits, expert_map, topk_w))
-        return moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, tiles)
-    # every path: routing and the MXFP8 quantization of bf16 x in one launch (not per FC1 program)
-    if x.dtype == torch.bfloat16:
+    elif x.dtype == torch.bfloat16:
         topk_w, topk_ids, x, x_scale = moe_route(router_logits, topk, x.contiguous(), expert_map)
     else:
         topk_w, topk_ids = moe_route(router_logits, topk, expert_map=expert_map)
@@ -909,7 +901,8 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
             for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
                 sl = slice(c, c + FMA_KERNEL_MAX_TOKENS)
                 tiles = fma_tiles(x, x[sl].shape[0])
-                h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles)
+                h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles,
+                                                route=(router_logits, expert_map, topk_w) if fuse else None)
                 outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)

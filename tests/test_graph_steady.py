@@ -211,7 +211,7 @@ def _fast_runner(monkeypatch, bs=(16, 32)):
         self._sm121_host = torch.zeros((R.RING, 8, 1), dtype=torch.int32)
         self._sm121_events = [_Event() for _ in range(R.RING)]
         self._sm121_ring_next = 0
-        self._sm121_patch_host = torch.zeros((R.RING, R.PATCHES, 4), dtype=torch.int32)
+        self._sm121_patch_host = torch.zeros((R.RING, R.MAX_PATCHES, 4), dtype=torch.int32)
         self._sm121_patch_np = self._sm121_patch_host.numpy()
         self._sm121_patch_next = 0
 

@@ -255,15 +255,28 @@ def _fc1_epilogue(h, use, tok, slot, bias, nb, out_ptr, out_scale_ptr, I: tl.con
 
 
 @triton.jit
+def _last_to_arrive(cnt_ptr, idx, total):
+    """Counts this program in on counter ``idx`` after its stores; True for the one that makes it
+    ``total``, which also resets it to 0 for the next launch (a CUDA graph replays the launch). A CTA
+    barrier orders every thread's stores before one acq_rel atomic at GPU scope (the release
+    publishes them, and the last arrival's acquire sees every other program's); the last program
+    then reads the others' stores with ``.cg`` loads (L2: never a stale L1 line)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + idx, 1, sem="acq_rel", scope="gpu")
+    last = arrived == total - 1
+    if last:
+        tl.store(cnt_ptr + idx, 0)
+    return last
+
+
+@triton.jit
 def _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT: tl.constexpr, BLOCK_R: tl.constexpr,
                  SPLIT: tl.constexpr):
     """Split-K without a second launch: each split of ``tile`` writes its partial dot products (NT
     tokens x BLOCK_R rows, fp32) to the workspace, then counts itself in on the tile's counter
-    (after a CTA barrier, one acq_rel atomic at GPU scope: the barrier orders every thread's
-    stores before it, the release publishes them). The split that arrives last reads all SPLIT
-    partials back (L2, ``.cg``: never a stale L1 line), sums them in split order (deterministic:
-    the same sums whichever split is last), resets the counter for the next launch (a CUDA graph
-    replays this launch) and returns last = True; the others return False and exit.
+    (``_last_to_arrive``). The split that arrives last reads all SPLIT partials back and sums
+    them in split order (deterministic: the same sums whichever split is last) and returns
+    last = True; the others return False and exit.
     Returns (last, h0..h3)."""
     offs_r = tl.arange(0, BLOCK_R)
     base = ws_ptr + tile.to(tl.int64) * (SPLIT * NT * BLOCK_R)
@@ -275,11 +288,8 @@ def _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT: tl.constexpr,
         tl.store(mine + 2 * BLOCK_R, h2)
     if NT > 3:
         tl.store(mine + 3 * BLOCK_R, h3)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT - 1
+    last = _last_to_arrive(cnt_ptr, tile, SPLIT)
     if last:
-        tl.store(cnt_ptr + tile, 0)
         h0 = tl.zeros([BLOCK_R], dtype=tl.float32)
         h1 = tl.zeros([BLOCK_R], dtype=tl.float32)
         h2 = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -417,14 +427,10 @@ def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLI
                        BLOCK_R: tl.constexpr):
     """The combine without its launch: every program of row tile program_id(1) arrives here once
     (after storing its partials; a duplicate slot's program at once). The one that arrives last
-    (counter at M * TOPK_SPLIT - 1; acq_rel after a CTA barrier, as ``_split_fixup``) resets the
-    counter and sums each token's TOPK_SPLIT partial rows in order from zero, exactly as
-    ``_moe_combine_kernel``, into bf16 ``out`` [M, H]."""
+    (``_last_to_arrive`` of M * TOPK_SPLIT) sums each token's TOPK_SPLIT partial rows in order from
+    zero, exactly as ``_moe_combine_kernel``, into bf16 ``out`` [M, H]."""
     tile = tl.program_id(1)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == M * TOPK_SPLIT - 1:
-        tl.store(cnt_ptr + tile, 0)
+    if _last_to_arrive(cnt_ptr, tile, M * TOPK_SPLIT):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         for t in tl.static_range(NT):
             ok = (rows < H) & (t < M)

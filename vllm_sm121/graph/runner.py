@@ -62,10 +62,9 @@ class StepGraphWrapper(CUDAGraphWrapper):
 # engine keeps at most 2 steps in flight (async scheduling's batch queue) before reading one.
 RING = 8
 # Block-table entries one steady step may write through the input kernel (unless
-# $VLLM_SM121_GRAPH_PATCH_PAGES=0): the kernel's limit, room for two new pages per row and group
+# $VLLM_SM121_GRAPH_PATCH_PAGES=0): the input kernel's MAX_PATCHES, room for two new pages per row and group
 # (more only with hybrid block sizes; beyond this, stock's upload).
-PATCHES = MAX_PATCHES
-assert PATCHES >= 2 * MAX_ROWS * steady.MAX_KV_GROUPS
+assert MAX_PATCHES >= 2 * MAX_ROWS * steady.MAX_KV_GROUPS
 
 
 class _TokensOutput(AsyncModelRunnerOutput):
@@ -411,7 +410,7 @@ class WholeModelRunner(GPUModelRunner):
         self._sm121_host = torch.zeros((RING, MAX_ROWS, 1), dtype=torch.int32, pin_memory=True)
         self._sm121_events = [torch.cuda.Event(blocking=True) for _ in range(RING)]
         self._sm121_ring_next = 0
-        self._sm121_patch_host = torch.zeros((RING, PATCHES, 4), dtype=torch.int32, pin_memory=True)
+        self._sm121_patch_host = torch.zeros((RING, MAX_PATCHES, 4), dtype=torch.int32, pin_memory=True)
         self._sm121_patch_np = self._sm121_patch_host.numpy()
         self._sm121_patch_next = 0
 
@@ -504,7 +503,8 @@ class WholeModelRunner(GPUModelRunner):
         """Turn the mode's decode path on or off at run time (``collective_rpc``; tests): off, every
         step is stock's (no graph tokens taken, no steady steps; the captured graphs still replay,
         the tail's outputs go unused), so one engine, with one compiled model, runs with and
-        without the mode."""
+        without the mode. A test switch, not a fast stock mode: switched off, each replay still runs
+        the tail (lm_head, sampling launches) and stock then computes the logits again."""
         self._sm121_enabled = bool(on)
         self._sm121_chain = None
 
