@@ -218,6 +218,12 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe + routing inside FC1 and the combine inside FC2 (2 MoE launches per layer, opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"))),
+    Config("sm121-all-moe-f16x2", {**SM121, "kv_cache_dtype": "nvfp4",
+                                   "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all-moe-fused + packed fp16 products and register prefetch in the MoE GEMVs (opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
+                ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"),
+                ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,2"))),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

@@ -246,6 +246,11 @@ def _init_vllm_dist(device: str = "cuda"):
                                  distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}",
                                  backend="nccl" if device == "cuda" else "gloo")
     initialize_model_parallel(1, 1)
+    if device == "cuda":  # what GPUModelRunner does: Marlin's MoE takes its scratch from vLLM's workspace manager
+        from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+        if not is_workspace_manager_initialized():
+            init_workspace_manager(torch.device(device))
     _DIST_READY = True
 
 

@@ -218,8 +218,10 @@ def test_configs_table():
     assert "sm121-all-moe-tma" not in e2e.DEFAULT_CONFIGS
     assert dict(by["sm121-all-moe-fused"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_MOE_FUSED_ROUTE": "1",
                                                    "VLLM_SM121_MOE_FUSED_COMBINE": "1"}
+    assert dict(by["sm121-all-moe-f16x2"].env) == {**dict(by["sm121-all-moe-fused"].env), "VLLM_SM121_MOE_FMA_F16X2": "1",
+                                                   "VLLM_SM121_MOE_FMA_TILES": "64,256,32,256,4,2"}
     dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample", "sm121-all-moe-pdl", "sm121-all-moe-tma",
-                 "sm121-all-moe-fused")
+                 "sm121-all-moe-fused", "sm121-all-moe-f16x2")
     assert dict(by["sm121-graph-a"].env) == {"VLLM_SM121_GRAPH_FAST_PATH": "0"}
     assert dict(by["sm121-graph-sample"].env) == {"VLLM_SM121_GRAPH_SAMPLE": "1"}
     assert "sm121-graph-sample" not in e2e.DEFAULT_CONFIGS
