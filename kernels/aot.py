@@ -225,7 +225,7 @@ def moe_specs(family: str) -> list[Spec]:
              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
     ]
     for nt in (1, 4):  # the FMA decode GEMVs (M <= 4): one and four token accumulators, with their tiles
-        fma = M.FMA_TILES[(family, min(nt, 2))]
+        fma = M.FMA_TILES_F16X2[(family, min(nt, 2))]  # the specs build the packed fp16 products (F16X2=True)
         fc2_warps, fc2_stages = fma.fc2_launch()
         split, gps = M.fc2_split_k(2880, fma.fc2_kb // 16, fma.fc2_split)
         split1, gps1 = M.fc2_split_k(2880, fma.fc1_kb // 16, fma.fc1_split)

@@ -258,11 +258,31 @@ FMA_TILES: dict[tuple[str, int], FmaTiles] = {
 FMA_TILES_ENV = "VLLM_SM121_MOE_FMA_TILES"
 
 
+# The tiles with packed fp16 products (VLLM_SM121_MOE_FMA_F16X2=1): fewer instructions per value
+# leave room for the register prefetch of the next step, and 4 warps win at every M. H200, in-graph
+# timing (benchmarks/moe.py --in-graph 10), beb4e57, docs/moe-fma-f16x2-sweep-h200-beb4e57.json,
+# whole block / FC1 / FC2 + combine, us:
+#   M=1  64,256,32,256,4,1   48.0 / 20.3 / 21.1     64,256,32,256,4,2   41.7 / 20.6 / 14.7
+#   M=2  64,256,32,256,8,2,4,2  73.7 / 47.9 / 23.4  64,256,32,256,4,2   67.1 / 40.8 / 23.5
+#   M=4  64,256,32,256,8,2,4,2 140.0 / 87.5 / 53.9  64,256,32,256,4,2  135.7 / 80.1 / 53.8
+# (vLLM's triton_kernels MoE in that run: 60.0 / 75.1 / 116.4 us; Marlin on the same card 56.9 /
+# 78.1 / 114.9). sm_12x: the sm_90 choice (not measured).
+FMA_TILES_F16X2: dict[tuple[str, int], FmaTiles] = {
+    (_platform.SM90, 1): FmaTiles(64, 256, 32, 256, 4, 2),
+    (_platform.SM90, 2): FmaTiles(64, 256, 32, 256, 4, 2),
+    (_platform.SM12X, 1): FmaTiles(64, 256, 32, 256, 4, 2),
+    (_platform.SM12X, 2): FmaTiles(64, 256, 32, 256, 4, 2),
+}
+
+
 def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
     """The FMA kernels' tiles for M tokens on ``t``'s device: $VLLM_SM121_MOE_FMA_TILES if set,
-    else FMA_TILES[(family, 1 if M == 1 else 2)]."""
+    else FMA_TILES_F16X2 (packed fp16 products on) or FMA_TILES at (family, 1 if M == 1 else 2)."""
     env = os.environ.get(FMA_TILES_ENV, "").strip()
-    return FmaTiles.parse(env) if env else FMA_TILES[(_platform.family_of(t), 1 if m <= 1 else 2)]
+    if env:
+        return FmaTiles.parse(env)
+    table = FMA_TILES_F16X2 if fma_f16x2(t) else FMA_TILES
+    return table[(_platform.family_of(t), 1 if m <= 1 else 2)]
 
 
 # The FMA GEMVs' products. Default: the exact fp32 integer decode (``_moe_fma.py``).
@@ -274,7 +294,11 @@ def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
 # rounding of FC1's output turns that into block rel L2 ~3e-3 against the exact path (MXFP8
 # activations themselves are ~4e-2 from bf16). On that run it broke the exact path's test rules:
 # FC1 outputs within one e4m3 step of the reference (8 of 8 gpt-oss-shape cases) and the 5e-3
-# block bound (2 of 16), so it stays opt-in.
+# block bound (2 of 16), so it stays opt-in. Timed in-graph (no host launch latency) with its own
+# tiles (FMA_TILES_F16X2: register prefetch, 4 warps), H200, beb4e57: 41.7 / 67.1 / 135.7 us at
+# M = 1 / 2 / 4 vs 47.0 / 92.0 / 172.4 for the exact path's defaults (556381a, the same kind of
+# card), and gpt-oss-120b batch-1 decode with it, fused routing and fused combine (e2e config
+# sm121-all-moe-f16x2) 339.7 tok/s vs upstream's 247.1 on one H200 in one run.
 FMA_F16X2_ENV = "VLLM_SM121_MOE_FMA_F16X2"
 
 

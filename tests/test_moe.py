@@ -264,6 +264,17 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     assert K.fma_tiles(cpu, 3) == K.FMA_TILES[("interpreter", 2)]
     monkeypatch.setenv(K.FMA_TILES_ENV, "128,64,16,32,4,2")
     assert K.fma_tiles(cpu) == K.FmaTiles(128, 64, 16, 32, 4, 2)
+    # packed fp16 products (GPU only) pick their own tiles; the interpreter never runs them
+    monkeypatch.delenv(K.FMA_TILES_ENV)
+    monkeypatch.setenv(K.FMA_F16X2_ENV, "1")
+    assert not K.fma_f16x2(cpu) and K.fma_tiles(cpu) == K.FMA_TILES[("interpreter", 1)]
+    with monkeypatch.context() as mp:
+        mp.setattr(K._platform, "family_of", lambda t: K._platform.SM90)
+        assert K.fma_f16x2(cpu)
+        assert K.fma_tiles(cpu, 3) == K.FMA_TILES_F16X2[(K._platform.SM90, 2)] == K.FmaTiles(64, 256, 32, 256, 4, 2)
+        mp.setenv(K.FMA_F16X2_ENV, "0")
+        assert K.fma_tiles(cpu, 3) == K.FMA_TILES[(K._platform.SM90, 2)]
+    monkeypatch.delenv(K.FMA_F16X2_ENV)
     # every family has tiles; the path switch
     from vllm_sm121 import platform as P
 
