@@ -497,10 +497,12 @@ def test_fma_pdl_launches_equal_plain_launches_on_gpu(m, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4])
-def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):
+@pytest.mark.parametrize("m,tiles", [(1, None), (4, None), (1, "64,256,32,256,4,2,4,2,2,3"),
+                                     (3, "64,256,32,256,4,2,4,2,2,3")])
+def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, monkeypatch):
     """The packed-fp16 products ($VLLM_SM121_MOE_FMA_F16X2=1, opt-in) against the exact fp32
-    integer decode of the same kernels (the default), gpt-oss-120b layer. One GEMV differs by
+    integer decode of the same kernels (the default), gpt-oss-120b layer, with each setting's
+    default tiles (FMA_TILES_F16X2 vs FMA_TILES) or both with FC1 / FC2 split-K. One GEMV differs by
     ~1.5e-4 rel L2 (CPU emulation), but FC1's MXFP8 rounding flips a few values by a whole e4m3
     step, so the block differs by ~3e-3 (3.1e-3 / 3.6e-3 at M = 1 / 4 on an H200, dbee2b3): bound
     1e-2 (MXFP8 activations are ~4e-2 from bf16); FC1's MXFP8 outputs >= 95% identical."""
@@ -512,12 +514,16 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, monkeypatch):
     logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
     topk_w, topk_ids, xq, xs = K.moe_route(logits, 4, x)
     outs, fc1 = [], []
+    if tiles:
+        monkeypatch.setenv(K.FMA_TILES_ENV, tiles)
+    else:
+        monkeypatch.delenv(K.FMA_TILES_ENV, raising=False)
     for flag in ("1", "0"):
         monkeypatch.setenv(K.FMA_F16X2_ENV, flag)
         outs.append(K.moe_block(x, logits, *args, 4, path="fma").float())
         fc1.append(K.moe_fc1_swiglu_fma(xq, xs, *args[:3], topk_ids))
     rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
-    print(f"\nM={m}: packed fp16 vs exact fp32 products, block rel L2 {rel:.2e}")
+    print(f"\nM={m} tiles {tiles or 'default'}: packed fp16 vs exact fp32 products, block rel L2 {rel:.2e}")
     assert torch.isfinite(outs[0]).all() and rel < 1e-2
     # FC1's MXFP8 outputs: a value rarely crosses an e4m3 rounding boundary (or a block's max a
     # power of two, changing its scale), so compare dequantized: mostly identical, close overall
