@@ -309,8 +309,11 @@ def fma_f16x2(t: torch.Tensor) -> bool:
 # A register cap for the FMA GEMVs (opt-in, VLLM_SM121_MOE_FMA_MAXNREG=<n>, read at call time; GPU
 # only): ptxas' maxnreg. sm_90a, FC1 at the M=1 tiles: 159 registers (3 CTAs of 4 warps per SM);
 # capped at 128 (4 CTAs per SM) its K loop keeps its 1337 instructions with 0 spill stores and 3
-# spill reloads (checked offline with ptxas, 2026-11-27). Not yet timed: more resident CTAs only
-# help where the grid exceeds one wave (M >= 2, or FC1 split-K).
+# spill reloads (checked offline with ptxas, 2026-11-27). Timed on an H200 (556381a,
+# docs/moe-tma-sweep-maxnreg128-h200-556381a.json): no gain at M = 1 (46.6 us), much slower with 2+
+# tokens (92.0 -> 169.5 us at M = 2: the multi-token accumulators spill). With the packed fp16
+# products and their tiles FC1 takes 144 registers uncapped, and capped at 128 its K loop has 0 spill
+# stores and 1 reload (offline): untimed (gpu_session step moef16split, with FC1 split-K).
 FMA_MAXNREG_ENV = "VLLM_SM121_MOE_FMA_MAXNREG"
 
 
