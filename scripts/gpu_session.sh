@@ -80,7 +80,7 @@ for step in "$@"; do
             python3 -m pytest -q -s -m gpu tests/test_moe.py -k "tiles_on_gpu or register_cap or fused_routing" -p no:cacheprovider 2>&1 | tail -n 3 ;;  # the TMA tiles', register cap's and fused routing's GPU tests
     moef16split) for cap in 0 128; do echo "packed fp16 products, register cap $cap (0: none)"  # FC1 / FC2 split-K with the packed products
                    VLLM_SM121_MOE_FMA_F16X2=1 VLLM_SM121_MOE_FMA_MAXNREG=$cap python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fma \
-                     --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,2;64,256,32,256,4,2,4,2,1,2;64,256,32,256,4,2,4,2,1,3;64,256,32,256,4,2,4,2,1,4;64,256,32,256,4,2,4,2,2,3;64,256,32,256,4,2,4,2,3,3;64,256,32,256,8,2,4,2,1,3}" \
+                     --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,2;64,256,32,256,4,2,4,2,1,2;64,256,32,256,4,2,4,2,1,3;64,256,32,256,4,2,4,2,1,4;64,256,32,256,4,2,4,2,2,3;64,256,32,256,4,2,4,2,3,3;64,256,32,256,8,2,4,2,1,3;64,256,16,256,4,2;64,256,64,256,4,2;64,256,32,512,4,2;64,256,32,128,4,2}" \
                      --out "$OUT/moe_f16split_r$cap.json" 2>&1 | tee "$OUT/moef16split_r$cap.log" | grep -v "^INFO\|^WARNING" | tail -n 25; done ;;
     moeupstream) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8,64,512}" --in-graph 10 --providers sm121,triton,marlin --out "$OUT/moe_upstream${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moeupstream${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # issue 6: every upstream backend that runs here
     moefused) for v in 00 10 01 11; do echo "fused route ${v:0:1}, fused combine ${v:1:1}"  # routing / combine launches vs inside FC1 / FC2
