@@ -225,7 +225,7 @@ def moe_specs(family: str) -> list[Spec]:
              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
     ]
     for nt in (1, 4):  # the FMA decode GEMVs (M <= 4): one and four token accumulators, with their tiles
-        fma = M.FMA_TILES_F16X2[(family, min(nt, 2))]  # the specs build the packed fp16 products (F16X2=True)
+        fma = M.FMA_TILES_F16X2[(family, min(nt, 2))]  # packed fp16 products (F16X2=True) and the opt-ins below
         fc2_warps, fc2_stages = fma.fc2_launch()
         split, gps = M.fc2_split_k(2880, fma.fc2_kb // 16, fma.fc2_split)
         split1, gps1 = M.fc2_split_k(2880, fma.fc1_kb // 16, fma.fc1_split)
@@ -245,6 +245,16 @@ def moe_specs(family: str) -> list[Spec]:
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]
+        # the default exact fp32 products, with their own tiles (FMA_TILES; no split-K there)
+        exact = M.FMA_TILES[(family, min(nt, 2))]
+        exact_fc2_warps, exact_fc2_stages = exact.fc2_launch()
+        assert exact.fc1_split == exact.fc2_split == 1, exact
+        for spec, rows, kb, warps, stages in ((fc1_spec, exact.fc1_rows, exact.fc1_kb, exact.num_warps, exact.num_stages),
+                                              (fc2_spec, exact.fc2_rows, exact.fc2_kb, exact_fc2_warps, exact_fc2_stages)):
+            specs.append(dataclasses.replace(
+                spec, name=spec.name[:-1] + ", exact products]", num_warps=warps,
+                constexprs=dict(spec.constexprs, BLOCK_R=rows, BLOCK_G=kb // 16, PREFETCH=stages > 1, F16X2=False,
+                                SPLIT=1, GPS=M.fc2_split_k(2880, kb // 16, 1)[1])))
         specs.append(dataclasses.replace(  # FC2 with the combine inside (VLLM_SM121_MOE_FUSED_COMBINE=1)
             fc2_spec, name=fc2_spec.name[:-1] + ", fused combine]", constexprs=dict(fc2_spec.constexprs, COMBINE=True),
             ptr_types=dict(fc2_spec.ptr_types, out_ptr="*bf16", cnt_ptr="*i32")))
