@@ -192,6 +192,8 @@ def build_kwargs(args, hf: dict) -> dict:
         kw["compilation_config"] = {"max_cudagraph_capture_size": args.capture_size}
     if args.backend != "default":
         kw["attention_backend"] = args.backend
+    if args.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     sm121 = {}
     if args.dense_fp8:
         sm121["dense_weights"] = "fp8"
@@ -210,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capture-size", type=int, default=8, help="max_cudagraph_capture_size (default 8)")
     ap.add_argument("--moe-experimental", action="store_true",
                     help="the plugin's MoE ($VLLM_SM121_MOE_EXPERIMENTAL=1; gated off by default)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "nvfp4"),
+                    help="vLLM's --kv-cache-dtype (nvfp4 needs --backend SM121)")
     ap.add_argument("--dense-fp8", action="store_true", help='additional_config sm121.dense_weights = "fp8"')
     ap.add_argument("--whole-model", action="store_true",
                     help='additional_config sm121.cudagraph = "whole_model" (issue 7, stage A: lm_head + greedy '
@@ -225,6 +229,9 @@ def main(argv=None) -> int:
     for name in ("steps", "capture_size", "top"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_cache_dtype == "nvfp4" and args.backend != "SM121":
+        ap.error(f"--kv-cache-dtype nvfp4 needs --backend SM121 (got {args.backend}): no other backend on "
+                 "sm_90 / sm_12x reads an nvfp4 cache")
     if args.moe_experimental and args.backend != "SM121":
         ap.error("--moe-experimental needs --backend SM121 (the plugin's MoE is on by default only with the "
                  "SM121 attention backend)")

@@ -100,6 +100,11 @@ for step in "$@"; do
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
+    profile120b) for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes
+                   tag=${a%%|*}; VLLM_SM121_MOE_FMA_F16X2=1 VLLM_SM121_MOE_FUSED_ROUTE=1 VLLM_SM121_MOE_FUSED_COMBINE=1 \
+                     python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
+                     --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; echo "--- profile 120b $tag: rc $?"
+                   sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; done ;;
     densecmp) python3 benchmarks/dense.py --m "${DENSE_M:-8,32,512,2048}" --providers "${DENSE_PROVIDERS:-sm121_mma,vllm_cutlass_fp8,cublas_bf16}" --out "$OUT/dense_cmp.json" 2>&1 | tee "$OUT/densecmp.log" | tail -n 50 ;;
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;

@@ -46,8 +46,12 @@ def test_dry_run_prints_kwargs_and_bad_input():
     assert r.returncode == 0 and "attention_backend" not in r.stdout
     with pytest.raises(SystemExit):
         P.main(["--dry-run", "--backend", "FLASHINFER"])
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_step.py"), "--dry-run",
+                        "--kv-cache-dtype", "nvfp4"], capture_output=True, text=True)
+    assert r.returncode == 0 and '"kv_cache_dtype": "nvfp4"' in r.stdout, r.stderr[-2000:]
     for bad in (["--steps", "0"], ["--capture-size", "0"], ["--top", "0"],
-                ["--moe-experimental", "--backend", "TRITON_ATTN"]):
+                ["--moe-experimental", "--backend", "TRITON_ATTN"], ["--kv-cache-dtype", "nvfp4", "--backend", "default"],
+                ["--kv-cache-dtype", "fp4"]):
         with pytest.raises(SystemExit):
             P.main(["--dry-run", *bad])
     with pytest.raises(SystemExit):
