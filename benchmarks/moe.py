@@ -421,7 +421,9 @@ def header(device, copy_gbps) -> dict:
     return {"benchmark": "moe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",
                 "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
-                "versions": versions, "commit": commit, "copy_gbps": copy_gbps}
+                "versions": versions, "commit": commit, "copy_gbps": copy_gbps,
+                # the plugin's switches this run had (packed products, register cap, fusions, tiles, ...)
+                "sm121_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_SM121_")}}
 
 
 def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:

@@ -265,7 +265,7 @@ FMA_TILES_ENV = "VLLM_SM121_MOE_FMA_TILES"
 #   M=1  64,256,32,256,4,1   48.0 / 20.3 / 21.1     64,256,32,256,4,2   41.7 / 20.6 / 14.7
 #   M=2  64,256,32,256,8,2,4,2  73.7 / 47.9 / 23.4  64,256,32,256,4,2   67.1 / 40.8 / 23.5
 #   M=4  64,256,32,256,8,2,4,2 140.0 / 87.5 / 53.9  64,256,32,256,4,2  135.7 / 80.1 / 53.8
-# (vLLM's triton_kernels MoE in that run: 60.0 / 75.1 / 116.4 us; Marlin on the same card 56.9 /
+# (vLLM's triton_kernels MoE in that run: 60.2 / 75.1 / 116.4 us; Marlin on the same card 56.9 /
 # 78.1 / 114.9). sm_12x: the sm_90 choice (not measured).
 FMA_TILES_F16X2: dict[tuple[str, int], FmaTiles] = {
     (_platform.SM90, 1): FmaTiles(64, 256, 32, 256, 4, 2),
@@ -310,8 +310,8 @@ def fma_f16x2(t: torch.Tensor) -> bool:
 # only): ptxas' maxnreg. sm_90a, FC1 at the M=1 tiles: 159 registers (3 CTAs of 4 warps per SM);
 # capped at 128 (4 CTAs per SM) its K loop keeps its 1337 instructions with 0 spill stores and 3
 # spill reloads (checked offline with ptxas, 2026-11-27). Timed on an H200 (556381a,
-# docs/moe-tma-sweep-maxnreg128-h200-556381a.json): no gain at M = 1 (46.6 us), much slower with 2+
-# tokens (92.0 -> 169.5 us at M = 2: the multi-token accumulators spill). With the packed fp16
+# docs/moe-tma-sweep-maxnreg128-h200-556381a.json): no gain at M = 1 (47.1 vs 46.6 us), much slower
+# with 2+ tokens (92.0 -> 169.6 us at M = 2 for the default tiles: the capped kernels spill). With the packed fp16
 # products and their tiles FC1 takes 144 registers uncapped, and capped at 128 its K loop has 0 spill
 # stores and 1 reload (offline): untimed (gpu_session step moef16split, with FC1 split-K).
 FMA_MAXNREG_ENV = "VLLM_SM121_MOE_FMA_MAXNREG"

@@ -78,13 +78,15 @@ for step in "$@"; do
             grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Theoretical Occ" "$OUT/moencu${NCU_TAG:-}.log" | head -n 60 ;;
     moetma) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,8,1,4,1;64,256,32,256,4,3;64,256,32,256,4,4;64,256,32,256,4,6;64,256,32,256,8,4;64,256,32,256,8,4,4,4;64,256,32,256,8,4,8,4;64,256,32,256,8,4,4,4,1,2}" --out "$OUT/moe_tma${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moetma${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 40
             python3 -m pytest -q -s -m gpu tests/test_moe.py -k "tiles_on_gpu or register_cap or fused_routing" -p no:cacheprovider 2>&1 | tail -n 3 ;;  # the TMA tiles', register cap's and fused routing's GPU tests
-    moef16split) for cap in 0 128; do echo "packed fp16 products, register cap $cap (0: none)"  # FC1 / FC2 split-K with the packed products
+    moef16split) fail=0; for cap in 0 128; do echo "packed fp16 products, register cap $cap (0: none)"  # FC1 / FC2 split-K with the packed products
                    VLLM_SM121_MOE_FMA_F16X2=1 VLLM_SM121_MOE_FMA_MAXNREG=$cap python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fma \
                      --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,2;64,256,32,256,4,2,4,2,1,2;64,256,32,256,4,2,4,2,1,3;64,256,32,256,4,2,4,2,1,4;64,256,32,256,4,2,4,2,2,3;64,256,32,256,4,2,4,2,3,3;64,256,32,256,8,2,4,2,1,3;64,256,16,256,4,2;64,256,64,256,4,2;64,256,32,512,4,2;64,256,32,128,4,2;64,256,32,256,4,3;64,256,32,256,4,4;64,256,32,256,4,4,4,4,1,3}" \
-                     --out "$OUT/moe_f16split_r$cap.json" 2>&1 | tee "$OUT/moef16split_r$cap.log" | grep -v "^INFO\|^WARNING" | tail -n 25; done ;;
+                     --out "$OUT/moe_f16split_r$cap.json" > "$OUT/moef16split_r$cap.log" 2>&1 || fail=1
+                   grep -v "^INFO\|^WARNING" "$OUT/moef16split_r$cap.log" | tail -n 25; done; (exit $fail) ;;
     moeupstream) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8,64,512}" --in-graph 10 --providers sm121,triton,marlin --out "$OUT/moe_upstream${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moeupstream${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # issue 6: every upstream backend that runs here
-    moefused) for v in 00 10 01 11; do echo "fused route ${v:0:1}, fused combine ${v:1:1}"  # routing / combine launches vs inside FC1 / FC2
-                VLLM_SM121_MOE_FUSED_ROUTE=${v:0:1} VLLM_SM121_MOE_FUSED_COMBINE=${v:1:1} python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fmaq --out "$OUT/moe_fused$v.json" 2>&1 | tee "$OUT/moefused$v.log" | grep -E "^sm121" ; done ;;
+    moefused) fail=0; for v in 00 10 01 11; do echo "fused route ${v:0:1}, fused combine ${v:1:1}"  # routing / combine launches vs inside FC1 / FC2
+                VLLM_SM121_MOE_FUSED_ROUTE=${v:0:1} VLLM_SM121_MOE_FUSED_COMBINE=${v:1:1} python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fmaq --out "$OUT/moe_fused$v.json" > "$OUT/moefused$v.log" 2>&1 || fail=1
+                grep -E "^sm121|Error" "$OUT/moefused$v.log" ; done; (exit $fail) ;;
     moefmatests) python3 -m pytest -q -s -m gpu tests/test_moe.py -k "fma" -p no:cacheprovider 2>&1 | tee "$OUT/moefmatests.log" | grep -E "M=|passed|failed|Error" | tail -n 30 ;;
     moetests) python3 -m pytest -q -s -m gpu tests/test_moe*.py -p no:cacheprovider 2>&1 | tee "$OUT/moetests.log" | grep -E "M=|passed|failed|Error" | tail -n 60 ;;
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
@@ -100,11 +102,12 @@ for step in "$@"; do
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
-    profile120b) for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes
+    profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes
                    tag=${a%%|*}; VLLM_SM121_MOE_FMA_F16X2=1 VLLM_SM121_MOE_FUSED_ROUTE=1 VLLM_SM121_MOE_FUSED_COMBINE=1 \
                      python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
-                     --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; echo "--- profile 120b $tag: rc $?"
-                   sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; done ;;
+                     --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; r=$?; echo "--- profile 120b $tag: rc $r"
+                   if [ $r = 0 ]; then sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; else fail=1; tail -n 40 "$OUT/profile_120b_$tag.log"; fi
+                 done; (exit $fail) ;;
     densecmp) python3 benchmarks/dense.py --m "${DENSE_M:-8,32,512,2048}" --providers "${DENSE_PROVIDERS:-sm121_mma,vllm_cutlass_fp8,cublas_bf16}" --out "$OUT/dense_cmp.json" 2>&1 | tee "$OUT/densecmp.log" | tail -n 50 ;;
     densebench) python3 benchmarks/dense.py --out "$OUT/dense.json" 2>&1 | tee "$OUT/densebench.log" | tail -n 40 ;;
     moefma) python3 benchmarks/moe.py --m 1,2,4,8 --providers sm121,sm121_fma,sm121_decode,triton --out "$OUT/moe_fma.json" 2>&1 | tee "$OUT/moefma.log" | tail -n 40 ;;

@@ -272,8 +272,10 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
         mp.setattr(K._platform, "family_of", lambda t: K._platform.SM90)
         assert K.fma_f16x2(cpu)
         assert K.fma_tiles(cpu, 3) == K.FMA_TILES_F16X2[(K._platform.SM90, 2)] == K.FmaTiles(64, 256, 32, 256, 4, 2)
+        assert K.fma_tiles(cpu, 1) == K.FMA_TILES_F16X2[(K._platform.SM90, 1)] != K.FMA_TILES[(K._platform.SM90, 1)]
         mp.setenv(K.FMA_F16X2_ENV, "0")
         assert K.fma_tiles(cpu, 3) == K.FMA_TILES[(K._platform.SM90, 2)]
+        assert K.fma_tiles(cpu, 1) == K.FMA_TILES[(K._platform.SM90, 1)]
     monkeypatch.delenv(K.FMA_F16X2_ENV)
     # every family has tiles; the path switch
     from vllm_sm121 import platform as P
@@ -504,7 +506,9 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, monkeypatch):
     integer decode of the same kernels (the default), gpt-oss-120b layer, with each setting's
     default tiles (FMA_TILES_F16X2 vs FMA_TILES) or both with FC1 / FC2 split-K. One GEMV differs by
     ~1.5e-4 rel L2 (CPU emulation), but FC1's MXFP8 rounding flips a few values by a whole e4m3
-    step, so the block differs by ~3e-3 (3.1e-3 / 3.6e-3 at M = 1 / 4 on an H200, dbee2b3): bound
+    step, so the block differs by ~3e-3 (3.1e-3 / 3.6e-3 at M = 1 / 4 on an H200, dbee2b3, with the
+    tiles both settings then shared; the packed products' own tiles at beb4e57: 3.1e-3 / 3.4e-3 from
+    the MXFP8 reference in benchmarks/moe.py): bound
     1e-2 (MXFP8 activations are ~4e-2 from bf16); FC1's MXFP8 outputs >= 95% identical."""
     from vllm_sm121.kernels import moe as K
 
