@@ -220,10 +220,9 @@ CONFIGS: tuple[Config, ...] = (
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"))),
     Config("sm121-all-moe-f16x2", {**SM121, "kv_cache_dtype": "nvfp4",
                                    "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
-           "sm121-all-moe-fused + packed fp16 products and register prefetch in the MoE GEMVs (opt-in)", **OFF,
+           "sm121-all-moe-fused + packed fp16 products in the MoE GEMVs, with their tiles (opt-in)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
-                ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"),
-                ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,2"))),
+                ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

@@ -218,8 +218,7 @@ def test_configs_table():
     assert "sm121-all-moe-tma" not in e2e.DEFAULT_CONFIGS
     assert dict(by["sm121-all-moe-fused"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_MOE_FUSED_ROUTE": "1",
                                                    "VLLM_SM121_MOE_FUSED_COMBINE": "1"}
-    assert dict(by["sm121-all-moe-f16x2"].env) == {**dict(by["sm121-all-moe-fused"].env), "VLLM_SM121_MOE_FMA_F16X2": "1",
-                                                   "VLLM_SM121_MOE_FMA_TILES": "64,256,32,256,4,2"}
+    assert dict(by["sm121-all-moe-f16x2"].env) == {**dict(by["sm121-all-moe-fused"].env), "VLLM_SM121_MOE_FMA_F16X2": "1"}
     assert "sm121-all-moe-f16x2" not in e2e.DEFAULT_CONFIGS
     assert by["sm121-all-moe-f16x2"].llm_kwargs == by["sm121-all-moe"].llm_kwargs  # only the environment differs
     dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample", "sm121-all-moe-pdl", "sm121-all-moe-tma",
