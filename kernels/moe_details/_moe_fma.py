@@ -379,15 +379,12 @@ def _moe_fc1_swiglu_fma_kernel(
     # rows past 2I: read row 2I-1 (TMA: the next expert's rows, or zeros past the matrix), never stored
     w_rows = expert * (2 * I) + tl.minimum(rows, 2 * I - 1)
     row0 = (expert * (2 * I) + nb * BLOCK_R).to(tl.int32)
-    if SPLIT == 1:
-        h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
-                                      u1, u2, u3, 0, K // 32, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
-                                      w_desc=w_desc, row0=row0, TMA=TMA)
-    else:
-        split = tl.program_id(2)
-        h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
-                                      u1, u2, u3, split * GPS, GPS, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
-                                      w_desc=w_desc, row0=row0, TMA=TMA)
+    G_RANGE: tl.constexpr = K // 32 if SPLIT == 1 else GPS
+    split = tl.program_id(2) if SPLIT > 1 else 0  # (a constant 0 unsplit: the K loop starts at 0)
+    h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
+                                  u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
+                                  w_desc=w_desc, row0=row0, TMA=TMA)
+    if SPLIT > 1:
         tile = p * tl.num_programs(1) + nb
         last, h0, h1, h2, h3 = _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT, BLOCK_R, SPLIT)
         if not last:
