@@ -169,7 +169,10 @@ def standalone_quant(kernels: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in kernels.items() if QUANT_RE.search(k) and not FUSED_RE.search(k)}
 
 
-def summarize(api: dict[str, float], kernels: dict[str, float], layers: int) -> dict:
+def summarize(api: dict[str, float], kernels: dict[str, float], layers: int,
+              kernel_us: dict[str, float] | None = None) -> dict:
+    """Per decode step: API calls by group, kernels by count, and (``kernel_us``: device µs per kernel
+    name and step) their device time, largest first, with the sum."""
     groups: dict[str, float] = collections.Counter()
     for name, v in api.items():
         groups[api_group(name)] += v
@@ -181,6 +184,8 @@ def summarize(api: dict[str, float], kernels: dict[str, float], layers: int) -> 
         "kernels_per_step": kernels,
         "kernels_per_layer": {k: v / layers for k, v in kernels.items()},
         "standalone_quant_kernels": standalone_quant(kernels),
+        **({"kernel_us_per_step": dict(sorted(kernel_us.items(), key=lambda kv: -kv[1])),
+            "kernel_us_per_step_total": sum(kernel_us.values())} if kernel_us is not None else {}),
     }
 
 
@@ -290,15 +295,17 @@ def main(argv=None) -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             generate(n)
             torch.cuda.synchronize()
-        api, kern = collections.Counter(), collections.Counter()
+        api, kern, kern_us = collections.Counter(), collections.Counter(), collections.Counter()
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kern[e.name] += 1
+                kern_us[e.name] += e.time_range.elapsed_us()
             elif e.name.startswith("cu"):
                 api[e.name] += 1
-        counts.append((api, kern))
+        counts.append((api, kern, kern_us))
     res = summarize(per_step(counts[0][0], counts[1][0], args.steps),
-                    per_step(counts[0][1], counts[1][1], args.steps), layers)
+                    per_step(counts[0][1], counts[1][1], args.steps), layers,
+                    per_step(counts[0][2], counts[1][2], args.steps))
 
     print(f"\ndevice {torch.cuda.get_device_name()}  layers {layers}  steps {args.steps}  backend {args.backend}  "
           f"eager {args.eager}  moe-experimental {args.moe_experimental}  dense-fp8 {args.dense_fp8}  "
@@ -312,6 +319,12 @@ def main(argv=None) -> int:
     print(f"\nkernels per decode step (per layer = / {layers})")
     for name, v in list(res["kernels_per_step"].items())[: args.top]:
         print(f"  {v:8.2f}  {v / layers:6.2f}  {name[:110]}")
+    if "kernel_us_per_step" in res:
+        total = res["kernel_us_per_step_total"]
+        print(f"\ndevice time per decode step: {total:.1f} us in kernels, copies and memsets (sum; overlap not removed)")
+        for name, us in list(res["kernel_us_per_step"].items())[: args.top]:
+            n = res["kernels_per_step"].get(name, 0)
+            print(f"  {us:9.1f} us  {100 * us / total:5.1f}%  {us / n if n else 0:7.2f} us/call  {name[:96]}")
     print(f"\nstandalone quantization kernels: {res['standalone_quant_kernels'] or 'none'}")
     if scopes is not None:
         print("\nhost time per decode step (inclusive; unprofiled runs)")

@@ -33,6 +33,12 @@ def test_api_groups_and_summary():
     assert s["kernels_per_layer"]["_add_rmsnorm_mxfp8_kernel"] == 2.0
     # the fused producer is not flagged; standalone quantizers are
     assert s["standalone_quant_kernels"] == {"scaled_fp8_quant_kernel": 4.0, "_downcast_to_mxfp": 4.0}
+    assert "kernel_us_per_step" not in s
+    us = {"_paged_attention_kernel": 20.0, "_add_rmsnorm_mxfp8_kernel": 12.0, "_moe_route_kernel": 48.0}
+    t = P.summarize(api, kernels, layers=4, kernel_us=us)
+    assert list(t["kernel_us_per_step"]) == ["_moe_route_kernel", "_paged_attention_kernel",
+                                             "_add_rmsnorm_mxfp8_kernel"]  # largest first
+    assert t["kernel_us_per_step_total"] == 80.0
 
 
 def test_dry_run_prints_kwargs_and_bad_input():
