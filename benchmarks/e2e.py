@@ -220,9 +220,15 @@ CONFIGS: tuple[Config, ...] = (
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"))),
     Config("sm121-all-moe-f16x2", {**SM121, "kv_cache_dtype": "nvfp4",
                                    "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
-           "sm121-all-moe-fused + packed fp16 products in the MoE GEMVs, with their tiles (opt-in)", **OFF,
+           "sm121-all-moe-fused with the packed fp16 products pinned on (their default on a GPU)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
+    Config("sm121-all-moe-exact", {**SM121, "kv_cache_dtype": "nvfp4",
+                                   "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all-moe with the exact fp32 products and the router as its own GEMM (the defaults before "
+           "packed fp16 products and the router inside the norm)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "0"),
+                ("VLLM_SM121_ROUTER_IN_NORM", "0"))),
 )
 # fmt: on
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)

@@ -112,6 +112,9 @@ def parse_args(argv=None):
     ap.add_argument("--align", action="store_true",
                     help="also time moe_align (one Triton launch) against moe_align_torch at each M "
                          "(the grouped path's tile map, BLOCK_M of the tile table)")
+    ap.add_argument("--norm-router", action="store_true",
+                    help="also time the MoE's input producer: norm kernel + router GEMM vs the router inside "
+                         "the norm kernel, at each M")
     ap.add_argument("--grouped-tiles", default="",
                     help="grouped (prefill) tile sweep: 'bm,bn,bk,warps,stages;...'")
     ap.add_argument("--in-graph", type=int, default=0, metavar="N",
@@ -586,6 +589,54 @@ def align_timing(args, device, flush) -> list[dict]:
     return records
 
 
+def norm_router_timing(args, device, flush, copy_gbps) -> list[dict]:
+    """The MoE's input producer per M: the norm kernel then the router as a bf16 linear (cuBLAS), vs
+    the router inside the norm kernel (``fused_add_rmsnorm_mxfp8_router``); p50 µs (graph replays,
+    L2 flushed), bytes read (x, residual, router weight), outputs compared."""
+    from vllm_sm121.kernels import norm_mxfp8 as N
+
+    h, e = args.hidden, args.experts
+    g = torch.Generator().manual_seed(7)
+    w = (1 + 0.02 * torch.randn(h, generator=g)).bfloat16().to(device)
+    rw = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16().to(device)
+    rb = (0.1 * torch.randn(e, generator=g)).bfloat16().to(device)
+
+    def separate(x, res):
+        r = res.clone()
+        y, q, s = N.fused_add_rmsnorm_mxfp8(x, r, w)
+        return r, q, s, torch.nn.functional.linear(y, rw, rb)
+
+    def fused(x, res):
+        return N.fused_add_rmsnorm_mxfp8_router(x, res, w, rw, rb)
+
+    records = []
+    print(f"\nnorm -> MXFP8 + router (H = {h}, E = {e}): separate launches vs the router inside the norm "
+          f"(fused up to {N.ROUTER_FUSED_MAX_TOKENS} tokens)")
+    print(f"{'M':>6}{'separate us':>13}{'fused us':>10}{'MB read':>9}{'% copy':>8}  logits max |d|")
+    for m in [m for m in args.m if m > 0]:
+        x = torch.randn(m, h, generator=g).bfloat16().to(device)
+        res = torch.randn(m, h, generator=g).bfloat16().to(device)
+        nbytes = 2 * m * h * 2 + e * h * 2
+        outs, us = {}, {}
+        for name, fn in (("norm+linear", separate), ("norm_router", fused)):
+            if device.type == "cuda":
+                times, out = time_graph(lambda: fn(x, res), args.reps, flush)  # noqa: B023
+                us[name] = pct(times, 0.5)
+            else:
+                out, us[name] = fn(x, res), float("nan")
+            outs[name] = out
+        a, b = outs["norm+linear"], outs["norm_router"]
+        dlog = (a[3].float() - b[3].float()).abs().max().item()
+        same = torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+        pc = 100 * nbytes / (us["norm_router"] * 1e-6) / 1e9 / copy_gbps if copy_gbps else float("nan")
+        for name in us:
+            records.append({"provider": name, "m": m, "us_p50": us[name], "bytes": nbytes,
+                            "logits_max_abs_diff": dlog, "residual_and_scales_equal": same})
+        print(f"{m:>6}{us['norm+linear']:>13.1f}{us['norm_router']:>10.1f}{nbytes / 1e6:>9.2f}{pc:>8.1f}  "
+              f"{dlog:.2e}{'' if same else '  (residual/scales differ!)'}")
+    return records
+
+
 def moe_route_torch_ids(logits, topk):
     from vllm_sm121.kernels.moe import moe_route_torch
 
@@ -681,6 +732,8 @@ def main(argv=None) -> int:
         records += grouped_tile_sweep(args, weights, device, flush, copy_gbps)
     if args.align:
         records += align_timing(args, device, flush)
+    if args.norm_router:
+        records += norm_router_timing(args, device, flush, copy_gbps)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"header": head, "records": records}, indent=1))

@@ -266,10 +266,13 @@ FMA_TILES_ENV = "VLLM_SM121_MOE_FMA_TILES"
 #   M=2  64,256,32,256,8,2,4,2  73.7 / 47.9 / 23.4  64,256,32,256,4,2   67.1 / 40.8 / 23.5
 #   M=4  64,256,32,256,8,2,4,2 140.0 / 87.5 / 53.9  64,256,32,256,4,2  135.7 / 80.1 / 53.8
 # (vLLM's triton_kernels MoE in that run: 60.2 / 75.1 / 116.4 us; Marlin on the same card 56.9 /
-# 78.1 / 114.9). sm_12x: the sm_90 choice (not measured).
+# 78.1 / 114.9). sm_90 since fa352d2 (H200, docs/moe-f16split-sweep-h200-fa352d2.json): the same
+# tile with a 3-stage TMA pipeline for the weights, 40.2 / 68.8 / 125.8 us at M = 1 / 2 / 4 against
+# 42.0 / 67.3 / 136.3 for register prefetch in that run; FC1 split-K (2-4 splits) and other FC2
+# tiles were slower. sm_12x: register prefetch (the TMA tiles are not measured off sm_90).
 FMA_TILES_F16X2: dict[tuple[str, int], FmaTiles] = {
-    (_platform.SM90, 1): FmaTiles(64, 256, 32, 256, 4, 2),
-    (_platform.SM90, 2): FmaTiles(64, 256, 32, 256, 4, 2),
+    (_platform.SM90, 1): FmaTiles(64, 256, 32, 256, 4, 3),
+    (_platform.SM90, 2): FmaTiles(64, 256, 32, 256, 4, 3),
     (_platform.SM12X, 1): FmaTiles(64, 256, 32, 256, 4, 2),
     (_platform.SM12X, 2): FmaTiles(64, 256, 32, 256, 4, 2),
 }
@@ -285,25 +288,30 @@ def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
     return table[(_platform.family_of(t), 1 if m <= 1 else 2)]
 
 
-# The FMA GEMVs' products. Default: the exact fp32 integer decode (``_moe_fma.py``).
-# VLLM_SM121_MOE_FMA_F16X2=1 (read at call time; GPU only, the interpreter cannot run inline PTX)
-# opts in to packed fp16 products: ~3.1 instead of ~5.2 sm_90a instructions per weight value.
+# The FMA GEMVs' products. On a GPU the default is packed fp16 products: ~3.1
+# instead of ~5.2 sm_90a instructions per weight value; VLLM_SM121_MOE_FMA_F16X2=0 (read at call
+# time) selects the exact fp32 integer decode (``_moe_fma.py``), which the interpreter always runs
+# (it cannot run inline PTX). The history that made it the default:
 # H200, gpt-oss-120b layer, dbee2b3 (docs/moe-fma-f16x2-h200-dbee2b3.json): no faster at M = 1
 # (latency-bound: 53.4 vs 51.7 us at 5ce6f3e), 1.23-1.25x at M = 2..8 (78.8 / 145.2 / 263.0 vs
 # 96.8 / 177.6 / 328.6 us), but each 8-term word sum is rounded to fp16 once, and the MXFP8
 # rounding of FC1's output turns that into block rel L2 ~3e-3 against the exact path (MXFP8
 # activations themselves are ~4e-2 from bf16). On that run it broke the exact path's test rules:
 # FC1 outputs within one e4m3 step of the reference (8 of 8 gpt-oss-shape cases) and the 5e-3
-# block bound (2 of 16), so it stays opt-in. Timed in-graph (no host launch latency) with its own
+# block bound (2 of 16), so it was opt-in at first. Timed in-graph (no host launch latency) with its own
 # tiles (FMA_TILES_F16X2: register prefetch, 4 warps), H200, beb4e57: 41.7 / 67.1 / 135.7 us at
 # M = 1 / 2 / 4 vs 47.0 / 92.0 / 172.4 for the exact path's defaults (556381a, the same kind of
 # card), and gpt-oss-120b batch-1 decode with it, fused routing and fused combine (e2e config
-# sm121-all-moe-f16x2) 339.7 tok/s vs upstream's 247.1 on one H200 in one run.
+# sm121-all-moe-f16x2) 339.7 tok/s vs upstream's 247.1 on one H200 in one run (fa352d2, two
+# runs: 329.8 vs 245.1 and 338.7 vs 230.6). Made the default after that: faster at every M the FMA
+# path takes, and its error against the exact products (block rel L2 ~3e-3, its GPU test's bound
+# 1e-2) is a tenth of what MXFP8 activations already cost against bf16. The exact-rule kernel
+# tests pin VLLM_SM121_MOE_FMA_F16X2=0.
 FMA_F16X2_ENV = "VLLM_SM121_MOE_FMA_F16X2"
 
 
 def fma_f16x2(t: torch.Tensor) -> bool:
-    return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(FMA_F16X2_ENV, 0) != 0
+    return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(FMA_F16X2_ENV, 1) != 0
 
 
 # A register cap for the FMA GEMVs (opt-in, VLLM_SM121_MOE_FMA_MAXNREG=<n>, read at call time; GPU

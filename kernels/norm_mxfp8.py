@@ -3,9 +3,11 @@
 One kernel does what the design's decode step asks before the MoE (design.md): ``residual +=
 x``; ``y = rmsnorm(residual) * weight``; ``y`` in bf16 for the router GEMM and in MXFP8 (e4m3
 values, one e8m0 power-of-two scale per 32 along the hidden size) for the expert GEMMs, so no
-standalone quantization kernel runs between layers.
+standalone quantization kernel runs between layers. ``fused_add_rmsnorm_mxfp8_router`` also
+computes the router's logits in the same kernel (small batches), which removes the router GEMM's
+launches (cuBLAS GEMV + split-K reduce) from each decode layer.
 
-Status: kernel + reference, CPU-tested; not yet wired into a MoE method or the gpt-oss model.
+Wired into gpt-oss by ``vllm_sm121/moe/hook.py``.
 """
 
 from __future__ import annotations
@@ -14,24 +16,36 @@ import torch
 import triton
 
 from . import _validate as V
-from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel
+from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel, _add_rmsnorm_mxfp8_router_kernel
 
 MX_BLOCK = 32
 
+# The router fused into the norm (``fused_add_rmsnorm_mxfp8_router``) for batches of at most this many
+# tokens; larger ones run the norm kernel and then the router as a bf16 GEMM (torch.nn.functional.linear):
+# each fused program re-reads its BLOCK_E router rows per token, which only pays while T is small.
+ROUTER_FUSED_MAX_TOKENS = 8
+# performance hyper-parameter: router outputs per program (gpt-oss: 128 experts -> 32 programs per token)
+ROUTER_BLOCK_E = 4
 
-def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
-    """Returns (y bf16 [T, H], values float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32]); updates ``residual``."""
+
+def _check_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     V.check_ndim("x", x, 2, "[num_tokens, hidden]")
     V.check_dtype("x", x, (torch.bfloat16,))
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
-    t, h = x.shape
+    h = x.shape[1]
     if h % MX_BLOCK:
         raise ValueError(f"hidden size {h} is not supported; supported: multiples of {MX_BLOCK}")
     if weight.shape != (h,):
         raise ValueError(f"weight must have shape [{h}], got {tuple(weight.shape)}")
     for name, a in (("x", x), ("residual", residual)):
         V.check_last_dim_contiguous(name, a)
+
+
+def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+    """Returns (y bf16 [T, H], values float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32]); updates ``residual``."""
+    _check_norm(x, residual, weight)
+    t, h = x.shape
     y = torch.empty_like(x)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
     s = torch.empty(t, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
@@ -42,6 +56,50 @@ def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: tor
                                         y.stride(0), q.stride(0), s.stride(0), H=h, BLOCK_H=block_h,
                                         num_warps=4 if block_h >= 2048 else 2)
     return y, q.view(torch.float8_e4m3fn), s
+
+
+def _check_router(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor) -> None:
+    h = x.shape[1]
+    if router_w.ndim != 2 or router_w.shape[1] != h or router_w.dtype != torch.bfloat16:
+        raise ValueError(f"router weight must be bf16 [num_experts, {h}], got {tuple(router_w.shape)} {router_w.dtype}")
+    if router_b.shape != (router_w.shape[0],):
+        raise ValueError(f"router bias must have shape [{router_w.shape[0]}], got {tuple(router_b.shape)}")
+    V.check_last_dim_contiguous("router weight", router_w)
+
+
+def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                   router_w: torch.Tensor, router_b: torch.Tensor, eps: float = 1e-5):
+    """The post-attention norm with gpt-oss's router: returns (x + residual bf16 [T, H], values
+    float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32], router logits bf16 [T, E]); ``residual`` is
+    not modified. Up to ROUTER_FUSED_MAX_TOKENS tokens it is one kernel (the router GEMV inside the
+    norm); beyond, ``fused_add_rmsnorm_mxfp8`` and a bf16 linear."""
+    _check_norm(x, residual, weight)
+    _check_router(x, router_w, router_b)
+    t, h = x.shape
+    e = router_w.shape[0]
+    if t > ROUTER_FUSED_MAX_TOKENS or e % ROUTER_BLOCK_E:
+        res = residual.clone()
+        y, q, s = fused_add_rmsnorm_mxfp8(x, res, weight, eps)
+        return res, q, s, torch.nn.functional.linear(y, router_w, router_b)
+    res = torch.empty_like(x)
+    q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
+    s = torch.empty(t, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    g = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
+    if t:
+        block_h = triton.next_power_of_2(h)
+        _add_rmsnorm_mxfp8_router_kernel[(t, e // ROUTER_BLOCK_E)](
+            x, residual, weight, router_w, router_b, res, q, s, g, float(eps), x.stride(0), residual.stride(0),
+            router_w.stride(0), res.stride(0), q.stride(0), s.stride(0), g.stride(0), H=h, E=e, BLOCK_H=block_h,
+            BLOCK_E=ROUTER_BLOCK_E, num_warps=4 if block_h >= 2048 else 2)
+    return res, q.view(torch.float8_e4m3fn), s, g
+
+
+def fused_add_rmsnorm_mxfp8_router_torch(x, residual, weight, router_w, router_b, eps: float = 1e-5):
+    """Reference of ``fused_add_rmsnorm_mxfp8_router`` (router logits from bf16 y in fp32, rounded to bf16)."""
+    res = residual.clone()
+    y, q, s = fused_add_rmsnorm_mxfp8_torch(x, res, weight, eps)
+    g = (y.float() @ router_w.float().t() + router_b.float()).to(torch.bfloat16)
+    return res, q, s, g
 
 
 def mxfp8_quantize_torch(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,14 @@ from vllm_sm121.kernels.norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize
 pytestmark = pytest.mark.interpreter
 
 
+@pytest.fixture(autouse=True)
+def _exact_products(monkeypatch):
+    """These tests hold the FMA GEMVs to the exact products' rules (FC1 within one e4m3 step of the
+    reference): pin $VLLM_SM121_MOE_FMA_F16X2=0 (on a GPU the packed fp16 products are the default;
+    their own test sets the variable itself)."""
+    monkeypatch.setenv("VLLM_SM121_MOE_FMA_F16X2", "0")
+
+
 def test_dequant_mxfp4_matches_checkpoint_helper():
     from vllm_sm121.testing.checkpoint import dequant_mxfp4
 
@@ -271,11 +279,18 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(K._platform, "family_of", lambda t: K._platform.SM90)
         assert K.fma_f16x2(cpu)
-        assert K.fma_tiles(cpu, 3) == K.FMA_TILES_F16X2[(K._platform.SM90, 2)] == K.FmaTiles(64, 256, 32, 256, 4, 2)
+        assert K.fma_tiles(cpu, 3) == K.FMA_TILES_F16X2[(K._platform.SM90, 2)] == K.FmaTiles(64, 256, 32, 256, 4, 3)
         assert K.fma_tiles(cpu, 1) == K.FMA_TILES_F16X2[(K._platform.SM90, 1)] != K.FMA_TILES[(K._platform.SM90, 1)]
+        mp.delenv(K.FMA_F16X2_ENV)
+        assert K.fma_f16x2(cpu)  # the default on a GPU
         mp.setenv(K.FMA_F16X2_ENV, "0")
+        assert not K.fma_f16x2(cpu)
         assert K.fma_tiles(cpu, 3) == K.FMA_TILES[(K._platform.SM90, 2)]
         assert K.fma_tiles(cpu, 1) == K.FMA_TILES[(K._platform.SM90, 1)]
+        # sm_12x keeps register prefetch (no TMA tile measured there)
+        mp.setattr(K._platform, "family_of", lambda t: K._platform.SM12X)
+        mp.setenv(K.FMA_F16X2_ENV, "1")
+        assert K.fma_tiles(cpu, 1).num_stages == 2
     monkeypatch.delenv(K.FMA_F16X2_ENV)
     # every family has tiles; the path switch
     from vllm_sm121 import platform as P
@@ -502,8 +517,8 @@ def test_fma_pdl_launches_equal_plain_launches_on_gpu(m, monkeypatch):
 @pytest.mark.parametrize("m,tiles", [(1, None), (4, None), (1, "64,256,32,256,4,2,4,2,2,3"),
                                      (3, "64,256,32,256,4,2,4,2,2,3")])
 def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, monkeypatch):
-    """The packed-fp16 products ($VLLM_SM121_MOE_FMA_F16X2=1, opt-in) against the exact fp32
-    integer decode of the same kernels (the default), gpt-oss-120b layer, with each setting's
+    """The packed-fp16 products (the default on a GPU; $VLLM_SM121_MOE_FMA_F16X2=1) against the exact
+    fp32 integer decode of the same kernels ($VLLM_SM121_MOE_FMA_F16X2=0), gpt-oss-120b layer, with each setting's
     default tiles (FMA_TILES_F16X2 vs FMA_TILES) or both with FC1 / FC2 split-K. One GEMV differs by
     ~1.5e-4 rel L2 (CPU emulation), but FC1's MXFP8 rounding flips a few values by a whole e4m3
     step, so the block differs by ~3e-3 (3.1e-3 / 3.6e-3 at M = 1 / 4 on an H200, dbee2b3, with the

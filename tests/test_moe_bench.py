@@ -160,6 +160,24 @@ def test_dry_run_grouped_sweep(tmp_path):
         assert r["rel_l2_vs_ref"] < 5e-3, r
 
 
+def test_dry_run_norm_router(tmp_path):
+    """--norm-router: both producers run at a fused M and a fallback M; same residual and scales, and
+    the logits agree to bf16 rounding."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--m", "2,9", "--providers", "sm121",
+                           "--norm-router", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    recs = [r for r in json.loads(out.read_text())["records"] if r["provider"] in ("norm+linear", "norm_router")]
+    assert sorted((r["provider"], r["m"]) for r in recs) == [("norm+linear", 2), ("norm+linear", 9),
+                                                             ("norm_router", 2), ("norm_router", 9)]
+    for r in recs:
+        assert r["residual_and_scales_equal"] and r["logits_max_abs_diff"] < 2e-2, r
+
+
 def test_moe_probe_stream_kernel_reads_each_tile_once_per_split():
     """benchmarks/moe_probe.py's read-only kernel (the FMA GEMVs' memory-side ceiling): every
     (slot, row tile) XOR over its K splits equals the XOR of that expert's rows (rows past the

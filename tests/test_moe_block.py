@@ -14,6 +14,13 @@ import torch
 from vllm_sm121.kernels import moe as K
 
 
+@pytest.fixture(autouse=True)
+def _exact_products(monkeypatch):
+    """The FMA GEMVs are held to the exact products' rules here: pin $VLLM_SM121_MOE_FMA_F16X2=0 (on a
+    GPU the packed fp16 products are the default; test_gpt_oss_shapes_on_gpu checks them too)."""
+    monkeypatch.setenv(K.FMA_F16X2_ENV, "0")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     m: int
@@ -268,7 +275,7 @@ GPU_MS = (1, 2, 4, 8, 16, 64, 256, 2048)
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,experts", [("gpt-oss-120b", 128), ("gpt-oss-20b", 32)])
 @pytest.mark.parametrize("m", GPU_MS)
-def test_gpt_oss_shapes_on_gpu(model, experts, m):
+def test_gpt_oss_shapes_on_gpu(model, experts, m, monkeypatch):
     c = Case(m, 2880, 2880, experts, 4)
     method, layer = build_layer(c, "cuda", seed=m)
     g = torch.Generator().manual_seed(1000 + m)
@@ -287,6 +294,12 @@ def test_gpt_oss_shapes_on_gpu(model, experts, m):
     # hidden 2880 on random data: ~0.042 measured), reported above and only loosely bounded.
     assert rel_l2(out, ref) < 1e-2
     assert rel_l2(out, ref_bf16) < 8e-2
+    if m <= K.FMA_MAX_TOKENS:  # the default products on a GPU: packed fp16 (about 3e-3 from the exact ones)
+        monkeypatch.setenv(K.FMA_F16X2_ENV, "1")
+        out16 = method.apply_monolithic(layer, x, logits)
+        monkeypatch.setenv(K.FMA_F16X2_ENV, "0")
+        print(f"{model} M={m}: packed fp16 products vs MXFP8 reference rel L2 {rel_l2(out16, ref):.2e}")
+        assert torch.isfinite(out16.float()).all() and rel_l2(out16, ref) < 1e-2
     # Both paths at the decode/grouped boundary give the same answer.
     if m <= 16:
         args = (layer.w13_weight, layer.w13_weight_scale, layer.w13_bias, layer.w2_weight, layer.w2_weight_scale,

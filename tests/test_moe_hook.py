@@ -108,9 +108,16 @@ def test_fused_block_matches_reference_and_upstream_forward(env, m):
     block = build_block(env, "mxfp8", seed=m)
     experts = block.mlp.experts.routed_experts
     assert isinstance(experts.quant_method, Sm121Mxfp4MoEMethod) and block.sm121_fused_moe
+    assert block.sm121_router_in_norm  # the default where the router qualifies
     x, pos, res0 = _inputs(m, seed=10 + m)
     with torch.no_grad():
         out, res = block(x, pos, res0.clone())
+        block.sm121_router_in_norm = False  # the router as upstream's GEMM after the norm kernel
+        out_sep, res_sep = block(x, pos, res0.clone())
+        block.sm121_router_in_norm = True
+        assert torch.equal(res_sep, res)
+        # same MXFP8 inputs; the logits' fp32 sums differ in order only (same top-k here)
+        assert rel_l2(out, out_sep) < 1e-2, rel_l2(out, out_sep)
 
         # Reference: upstream's input norm and the stand-in attention, then torch add+RMSNorm ->
         # MXFP8, the block's router on the bf16 output, and the MoE reference on those MXFP8 values.
@@ -199,18 +206,21 @@ def test_custom_ops_fake_impls_and_tracing(env):
         graphs.append(gm)
         return gm.forward
 
-    def mlp_half(hs, residual):
-        return hook.hooked_mlp_forward(hs, residual, block.post_attention_layernorm, block.mlp)
+    for router_in_norm, norm_op in ((False, "sm121.add_rmsnorm_mxfp8"), (True, "sm121.add_rmsnorm_mxfp8_router")):
+        def mlp_half(hs, residual):
+            return hook.hooked_mlp_forward(hs, residual, block.post_attention_layernorm, block.mlp, router_in_norm)
 
-    torch._dynamo.reset()
-    with torch.no_grad():
-        res_c, res_e = res0.clone(), res0.clone()
-        out_c, _ = torch.compile(mlp_half, backend=capture, fullgraph=True)(x, res_c)
-        out_e, _ = mlp_half(x, res_e)
-    assert len(graphs) == 1
-    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
-    assert {"sm121.add_rmsnorm_mxfp8", "sm121.gpt_oss_moe_mxfp8"} <= {t.rsplit(".default", 1)[0] for t in targets}, targets
-    assert torch.equal(out_c, out_e) and torch.equal(res_c, res_e)
+        torch._dynamo.reset()
+        graphs.clear()
+        with torch.no_grad():
+            res_c, res_e = res0.clone(), res0.clone()
+            out_c, r_c = torch.compile(mlp_half, backend=capture, fullgraph=True)(x, res_c)
+            out_e, r_e = mlp_half(x, res_e)
+        assert len(graphs) == 1
+        targets = {str(n.target).rsplit(".default", 1)[0] for n in graphs[0].graph.nodes if n.op == "call_function"}
+        assert {norm_op, "sm121.gpt_oss_moe_mxfp8"} <= targets, targets
+        assert ("sm121.add_rmsnorm_mxfp8" in targets) != router_in_norm, targets
+        assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
 
 
 def test_opcheck_norm_op():
@@ -220,6 +230,12 @@ def test_opcheck_norm_op():
     w = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
     torch.library.opcheck(torch.ops.sm121.add_rmsnorm_mxfp8.default, (x, res, w, 1e-5),
                           test_utils=("test_schema", "test_faketensor"))
+    rw = (0.1 * torch.randn(8, 64, generator=g)).bfloat16()
+    rb = (0.1 * torch.randn(8, generator=g)).bfloat16()
+    for t in (3, 9):  # the fused kernel and the fallback (norm kernel + linear)
+        torch.library.opcheck(torch.ops.sm121.add_rmsnorm_mxfp8_router.default,
+                              (torch.randn(t, 64, generator=g).bfloat16(), torch.randn(t, 64, generator=g).bfloat16(),
+                               w, 1e-5, rw, rb), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_moe_op():
@@ -292,3 +308,15 @@ def test_fused_path_all_reduces_under_tensor_and_expert_parallelism(env, monkeyp
         experts.moe_config.moe_parallel_config = par
     assert len(calls) == 1 and torch.equal(calls[0], single)
     assert torch.equal(out, single * 3)
+
+
+def test_router_in_norm_switch_and_reasons(env, monkeypatch):
+    block = build_block(env, "mxfp8")
+    assert block.sm121_router_in_norm and hook.router_in_norm_unsupported_reason(block.mlp) is None
+    monkeypatch.setenv(hook.ROUTER_IN_NORM_ENV, "0")
+    assert not build_block(env, "mxfp8").sm121_router_in_norm  # read when the model is built
+    mlp = types.SimpleNamespace(router=torch.nn.Linear(64, 4))
+    assert hook.router_in_norm_unsupported_reason(mlp) == "router is not upstream's ReplicatedLinear"
+    router = block.mlp.router
+    monkeypatch.setattr(router, "quant_method", object())
+    assert hook.router_in_norm_unsupported_reason(block.mlp) == "quantized router"

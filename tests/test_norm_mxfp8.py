@@ -4,8 +4,11 @@ against the torch reference; scales are powers of two that never saturate e4m3."
 import pytest
 import torch
 
+from vllm_sm121.kernels import norm_mxfp8 as N
 from vllm_sm121.kernels.norm_mxfp8 import (
     fused_add_rmsnorm_mxfp8,
+    fused_add_rmsnorm_mxfp8_router,
+    fused_add_rmsnorm_mxfp8_router_torch,
     fused_add_rmsnorm_mxfp8_torch,
     mxfp8_dequantize_torch,
     mxfp8_quantize_torch,
@@ -33,6 +36,46 @@ def test_matches_reference(device, hidden, scale):
     step = torch.exp2(s_ref.float() - 127 - 3).repeat_interleave(32, dim=1) * 2 ** 8  # e4m3 ulp at the top binade
     assert ((deq - deq_ref).abs() <= step).all()
     assert torch.isfinite(deq).all()
+
+
+def _close_mxfp8(q, s, q_ref, s_ref):
+    assert torch.equal(s.cpu(), s_ref)
+    deq, deq_ref = mxfp8_dequantize_torch(q.cpu(), s.cpu()), mxfp8_dequantize_torch(q_ref, s_ref)
+    step = torch.exp2(s_ref.float() - 127 - 3).repeat_interleave(32, dim=1) * 2 ** 8
+    assert ((deq - deq_ref).abs() <= step).all()
+
+
+# (hidden, experts, tokens): the fused kernel (tokens <= ROUTER_FUSED_MAX_TOKENS) and the fallback
+@pytest.mark.parametrize("hidden,experts,t,scale", [(64, 8, 3, 1.0), (96, 16, 1, 1e-3), (64, 8, 9, 30.0),
+                                                    (2880, 128, 2, 1.0)])
+def test_router_fused_into_norm_matches_reference(device, hidden, experts, t, scale):
+    if hidden == 2880 and device == "cpu":
+        pytest.skip("gpt-oss shape: GPU only (the interpreter takes minutes)")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(t, hidden, generator=g) * scale).bfloat16()
+    res = (torch.randn(t, hidden, generator=g) * scale).bfloat16()
+    w = (1 + 0.02 * torch.randn(hidden, generator=g)).bfloat16()
+    rw = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).bfloat16()
+    rb = (0.1 * torch.randn(experts, generator=g)).bfloat16()
+    ref = fused_add_rmsnorm_mxfp8_router_torch(x, res, w, rw, rb)
+    res_dev = res.to(device)
+    out = fused_add_rmsnorm_mxfp8_router(x.to(device), res_dev, w.to(device), rw.to(device), rb.to(device))
+    assert torch.equal(res_dev.cpu(), res)  # the input residual is left alone
+    assert torch.equal(out[0].cpu(), ref[0])  # x + residual, rounded once
+    _close_mxfp8(out[1], out[2], ref[1], ref[2])
+    # logits: fp32 sums of the same bf16 products in another order, then bf16 (1 ulp = 2**-8 relative)
+    torch.testing.assert_close(out[3].cpu().float(), ref[3].float(), rtol=8e-3, atol=2e-3)
+    assert out[3].dtype == torch.bfloat16 and out[3].shape == (t, experts)
+
+
+def test_router_fused_bad_input():
+    x = torch.zeros(2, 64).bfloat16()
+    w = torch.ones(64).bfloat16()
+    with pytest.raises(ValueError, match="router weight must be bf16"):
+        fused_add_rmsnorm_mxfp8_router(x, x.clone(), w, torch.zeros(8, 64), torch.zeros(8).bfloat16())
+    with pytest.raises(ValueError, match="router bias must have shape"):
+        fused_add_rmsnorm_mxfp8_router(x, x.clone(), w, torch.zeros(8, 64).bfloat16(), torch.zeros(4).bfloat16())
+    assert N.ROUTER_FUSED_MAX_TOKENS >= 1 and 128 % N.ROUTER_BLOCK_E == 0
 
 
 def test_quantizer_scale_rule_and_zero_blocks():

@@ -38,3 +38,54 @@ def _add_rmsnorm_mxfp8_kernel(
     tl.store(q_ptr + row * stride_q + offs[None, :], codes, mask=m[None, :])
     offs_b = tl.arange(0, BLOCK_H // 32)
     tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)
+
+
+@triton.jit
+def _add_rmsnorm_mxfp8_router_kernel(
+    x_ptr,  # [T, H] bf16
+    res_ptr,  # [T, H] bf16 residual (read only: several programs read each row)
+    w_ptr,  # [H] norm weight
+    rw_ptr,  # [E, H] bf16 router weight
+    rb_ptr,  # [E] router bias
+    res_out_ptr,  # [T, H] bf16: x + residual
+    q_ptr,  # [T, H] uint8 e4m3: MXFP8 values (for the experts)
+    s_ptr,  # [T, H / 32] uint8 e8m0 scales
+    g_ptr,  # [T, E] bf16 router logits
+    eps,
+    stride_x: tl.int64,
+    stride_r: tl.int64,
+    stride_rw: tl.int64,
+    stride_ro: tl.int64,
+    stride_q: tl.int64,
+    stride_s: tl.int64,
+    stride_g: tl.int64,
+    H: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # power of two >= H
+    BLOCK_E: tl.constexpr,  # router outputs per program (divides E)
+):
+    """Program (t, j): token t's add + RMSNorm (recomputed by every j: 2 x H bf16 reads), router
+    logits E[j*BLOCK_E : (j+1)*BLOCK_E] = bf16(y) . W + b (fp32 sums, bf16 out as upstream's bf16
+    linear); program j = 0 also writes the residual and the MXFP8 activations. The residual goes to
+    its own output: updating it in place would race with the other programs of the row."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
+        res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+    r = to_bf16_rne(r)
+    rf = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
+    y = rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    yb = to_bf16_rne(y).to(tl.float32)  # the router reads bf16 y, as upstream's
+    offs_e = j * BLOCK_E + tl.arange(0, BLOCK_E)
+    wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * stride_rw + offs[None, :], mask=m[None, :], other=0.0)
+    g = tl.sum(wt.to(tl.float32) * yb[None, :], axis=1) + tl.load(rb_ptr + offs_e).to(tl.float32)
+    tl.store(g_ptr + row * stride_g + offs_e, to_bf16_rne(g))
+    if j == 0:
+        tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)
+        codes, scales = mxfp8_quantize_rows(y[None, :], 1, BLOCK_H // 32)
+        tl.store(q_ptr + row * stride_q + offs[None, :], codes, mask=m[None, :])
+        offs_b = tl.arange(0, BLOCK_H // 32)
+        tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)

@@ -10,7 +10,10 @@ Architecture
 
         sm121::add_rmsnorm_mxfp8  residual += x; y = rmsnorm(residual) * w  -> y bf16 (router),
                                   y MXFP8 (e4m3 values + e8m0 scale per 32, experts); one kernel
-        router                    upstream's bf16 ReplicatedLinear on y
+        router                    upstream's bf16 ReplicatedLinear on y; for batches of up to 8 tokens
+                                  computed inside the norm kernel instead (sm121::add_rmsnorm_mxfp8_router,
+                                  which returns a new residual rather than updating it in place;
+                                  $VLLM_SM121_ROUTER_IN_NORM=0 turns that off)
         sm121::gpt_oss_moe_mxfp8  ``kernels.moe.moe_block`` on the MXFP8 activations (routing,
                                   FC1+SwiGLU, FC2+combine; no quantization kernel in between)
 
@@ -51,6 +54,8 @@ import torch
 from torch.library import Library
 from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
 
+from vllm_sm121.kernels._validate import env_int
+
 from .method import local_expert_map
 
 LIBRARY = "sm121"
@@ -73,6 +78,23 @@ def _add_rmsnorm_mxfp8_fake(x: torch.Tensor, residual: torch.Tensor, weight: tor
             torch.empty(t, h // 32, dtype=torch.uint8, device=x.device))
 
 
+def _add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              router_w: torch.Tensor, router_b: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from vllm_sm121.kernels.norm_mxfp8 import fused_add_rmsnorm_mxfp8_router
+
+    return fused_add_rmsnorm_mxfp8_router(x, residual, weight, router_w, router_b, eps)
+
+
+def _add_rmsnorm_mxfp8_router_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   router_w: torch.Tensor, router_b: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, h = x.shape
+    return (torch.empty_like(x), torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty(t, h // 32, dtype=torch.uint8, device=x.device),
+            torch.empty(t, router_w.shape[0], dtype=torch.bfloat16, device=x.device))
+
+
 def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                        w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                        w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,6 +115,8 @@ def _register_ops() -> None:
 
     direct_register_custom_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, mutates_args=["residual"],
                               fake_impl=_add_rmsnorm_mxfp8_fake, target_lib=_lib)
+    direct_register_custom_op("add_rmsnorm_mxfp8_router", _add_rmsnorm_mxfp8_router,
+                              fake_impl=_add_rmsnorm_mxfp8_router_fake, target_lib=_lib)
     direct_register_custom_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, fake_impl=_gpt_oss_moe_mxfp8_fake,
                               target_lib=_lib)
 
@@ -103,6 +127,13 @@ _register_ops()  # once per process (module import); the dispatch key is the cur
 def add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(y bf16 [T, H], e4m3 [T, H], e8m0 [T, H/32]); ``residual += x`` in place."""
     return torch.ops.sm121.add_rmsnorm_mxfp8(x, residual, weight, eps)
+
+
+def add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             router_w: torch.Tensor, router_b: torch.Tensor):
+    """(x + residual bf16 [T, H], e4m3 [T, H], e8m0 [T, H/32], router logits bf16 [T, E]); ``residual``
+    is not modified (small batches: one kernel, the router GEMV inside the norm)."""
+    return torch.ops.sm121.add_rmsnorm_mxfp8_router(x, residual, weight, eps, router_w, router_b)
 
 
 def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
@@ -122,11 +153,16 @@ def routed_experts_of(mlp: torch.nn.Module):
 
 
 def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
-                       mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                       mlp: torch.nn.Module, router_in_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's ``post_attention_layernorm(h, residual)`` + ``mlp(h)``, with the norm emitting MXFP8
-    for the experts: returns (MoE output bf16 [T, H], the updated residual)."""
-    y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
-    router_logits = mlp.router(y)
+    for the experts (and, ``router_in_norm``, the router's logits): returns (MoE output bf16 [T, H],
+    the updated residual)."""
+    if router_in_norm:
+        residual, xq, xs, router_logits = add_rmsnorm_mxfp8_router(
+            hidden_states, residual, norm.weight, norm.variance_epsilon, mlp.router.weight, mlp.router.bias)
+    else:
+        y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
+        router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
     out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
                             e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e))
@@ -176,6 +212,29 @@ def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | N
     return None
 
 
+# The router GEMV inside the post-attention norm kernel (``kernels.norm_mxfp8.fused_add_rmsnorm_mxfp8_router``)
+# for batches of up to ROUTER_FUSED_MAX_TOKENS tokens: on by default where the router qualifies
+# (``router_in_norm_unsupported_reason``); VLLM_SM121_ROUTER_IN_NORM=0 (read when the model is built)
+# keeps upstream's router GEMM after the norm.
+ROUTER_IN_NORM_ENV = "VLLM_SM121_ROUTER_IN_NORM"
+
+
+def router_in_norm_unsupported_reason(mlp: torch.nn.Module) -> str | None:
+    """Why gpt-oss's router cannot run inside the norm kernel (None: it can): it must be upstream's
+    unquantized bf16 linear with a bias, replicated, with no padding of the hidden size."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+
+    router = getattr(mlp, "router", None)
+    if not isinstance(router, ReplicatedLinear) or type(router).forward is not ReplicatedLinear.forward:
+        return "router is not upstream's ReplicatedLinear"
+    if not isinstance(getattr(router, "quant_method", None), UnquantizedLinearMethod):
+        return "quantized router"
+    w, b = router.weight, getattr(router, "bias", None)
+    if w.dtype != torch.bfloat16 or w.ndim != 2 or b is None or b.shape != (w.shape[0],):
+        return "router weight not bf16 [E, H] with a bias"
+    return None
+
+
 class Sm121GptOssBlock(TransformerBlock):
     """gpt-oss ``TransformerBlock`` whose post-attention norm feeds MXFP8 to ``Sm121Mxfp4MoEMethod``."""
 
@@ -183,6 +242,8 @@ class Sm121GptOssBlock(TransformerBlock):
         super().__init__(vllm_config, quant_config, prefix=prefix)
         reason = fused_moe_unsupported_reason(self, vllm_config)
         self.sm121_fused_moe = reason is None  # decided once; forward branches on this constant
+        self.sm121_router_in_norm = (self.sm121_fused_moe and router_in_norm_unsupported_reason(self.mlp) is None
+                                     and env_int(ROUTER_IN_NORM_ENV, 1) != 0)
         if reason is not None and routed_experts_of(self.mlp) is not None and reason != (
                 "experts not on Sm121Mxfp4MoEMethod"):
             from vllm.logger import init_logger
@@ -202,4 +263,5 @@ class Sm121GptOssBlock(TransformerBlock):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.attn(hidden_states, positions)
         # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8.
-        return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp)
+        return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp,
+                                  self.sm121_router_in_norm)
