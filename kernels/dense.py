@@ -166,7 +166,7 @@ class DenseFmaTiles:
 
 
 # performance hyper-parameters, per architecture family: set before any GPU run and timed as is
-# on an H100 at 8e7318f (numbers above), not swept yet (benchmarks/dense.py --fma-tiles sweeps
+# on an H100 at 8e7318f (numbers above; one-token tiles: DENSE_FMA_TILES_M1 below, swept), not swept yet (benchmarks/dense.py --fma-tiles sweeps
 # them through $VLLM_SM121_DENSE_FMA_TILES). 16 rows x 128 words (512 bytes) per K step, 8 warps: each thread loads two
 # 16-byte weight vectors and two 16-byte activation vectors per token per step (8 KB of weights
 # per program in flight); qkv (N = 5120) is 320 programs, o (N = 2880) 180, lm_head 12568.
@@ -180,13 +180,30 @@ DENSE_FMA_TILES: dict[str, DenseFmaTiles] = {
     _platform.INTERPRETER: DenseFmaTiles(16, 16, 1),
 }
 DENSE_FMA_TILES_ENV = "VLLM_SM121_DENSE_FMA_TILES"
+# One token (batch-1 decode), per (family, N >= WIDE_N i.e. lm_head): the fastest tiles of an H200
+# sweep at 56c2045 (benchmarks/dense.py --fma-tiles, docs/dense-sweep-h200-56c2045.json, us at M = 1):
+#   qkv (N 5120, K 2880)  8,256,8  7.7 (46% of copy BW)  vs 16,128,8  8.3
+#   o   (N 2880, K 4096)  8,256,8  6.4 (44%)             vs 16,128,8  8.1
+#   lm_head (N 201088)   32,128,8 146.2 (95%)            vs 16,128,8 156.2
+# With 2+ tokens the family tile stays (8,256,8 was slower there: qkv 11.3 / 20.1 vs 10.9 / 16.5 us
+# at M = 2 / 4). sm_12x: not measured, the family tile.
+DENSE_FMA_TILES_M1: dict[tuple[str, bool], DenseFmaTiles] = {
+    (_platform.SM90, False): DenseFmaTiles(8, 256, 8),
+    (_platform.SM90, True): DenseFmaTiles(32, 128, 8),
+}
 
 
-def dense_fma_tiles(t: torch.Tensor) -> DenseFmaTiles:
-    """The FMA kernel's tiles on ``t``'s device: $VLLM_SM121_DENSE_FMA_TILES if set, else
+def dense_fma_tiles(t: torch.Tensor, m: int = 2, n: int = 0) -> DenseFmaTiles:
+    """The FMA kernel's tiles on ``t``'s device for M tokens and N outputs: $VLLM_SM121_DENSE_FMA_TILES
+    if set, else DENSE_FMA_TILES_M1[(family, N >= WIDE_N)] at M = 1 where the family has one, else
     DENSE_FMA_TILES[family]."""
     env = os.environ.get(DENSE_FMA_TILES_ENV, "").strip()
-    return DenseFmaTiles.parse(env) if env else DENSE_FMA_TILES[_platform.family_of(t)]
+    if env:
+        return DenseFmaTiles.parse(env)
+    family = _platform.family_of(t)
+    if m == 1 and (family, n >= WIDE_N) in DENSE_FMA_TILES_M1:
+        return DENSE_FMA_TILES_M1[(family, n >= WIDE_N)]
+    return DENSE_FMA_TILES[family]
 
 
 def select_path(m: int, n: int = 0) -> str:
@@ -399,7 +416,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 def _dense_fma(x, w, scale, bias, out) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    tiles = dense_fma_tiles(x)
+    tiles = dense_fma_tiles(x, m, n)
     try:  # 4 bf16 as one int64 word: needs row stride and offset multiples of 4 (else one small copy)
         xw = x.view(torch.int64)
     except RuntimeError:

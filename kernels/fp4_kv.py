@@ -122,7 +122,8 @@ def calibrate_global_scales(key: torch.Tensor, value: torch.Tensor, global_scale
 
 def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping: torch.Tensor, *,
                  check: bool = True) -> None:
-    """Quantize ``key``/``value`` [T, Hkv, D] to NVFP4 into their page slots (one program per token).
+    """Quantize ``key``/``value`` [T, Hkv, D] to NVFP4 into their page slots (one program per token
+    and side, K or V).
 
     ``check=False`` skips argument validation (callers that validated the same layer before).
     """
@@ -131,7 +132,7 @@ def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapp
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
-    _fp4_kv_write_kernel[(num_tokens,)](
+    _fp4_kv_write_kernel[(num_tokens, 2)](
         key, value, k_pages.data, k_pages.scales.view(torch.uint8), v_pages.data, v_pages.scales.view(torch.uint8),
         slot_mapping, k_pages.global_scale, v_pages.global_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -83,6 +83,8 @@ for step in "$@"; do
                      --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,2;64,256,32,256,4,2,4,2,1,2;64,256,32,256,4,2,4,2,1,3;64,256,32,256,4,2,4,2,1,4;64,256,32,256,4,2,4,2,2,3;64,256,32,256,4,2,4,2,3,3;64,256,32,256,8,2,4,2,1,3;64,256,16,256,4,2;64,256,64,256,4,2;64,256,32,512,4,2;64,256,32,128,4,2;64,256,32,256,4,3;64,256,32,256,4,4;64,256,32,256,4,4,4,4,1,3}" \
                      --out "$OUT/moe_f16split_r$cap.json" > "$OUT/moef16split_r$cap.log" 2>&1 || fail=1
                    grep -v "^INFO\|^WARNING" "$OUT/moef16split_r$cap.log" | tail -n 25; done; (exit $fail) ;;
+    quickgpu) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_fp4_kv.py -p no:cacheprovider 2>&1 | tail -n 4 | tee "$OUT/quickgpu.log"  # dense one-token tiles, the two-program KV write
+         python3 benchmarks/dense.py --m 1 --providers sm121,cublas_bf16 --out "$OUT/dense_m1.json" 2>&1 | tee "$OUT/dense_m1.log" | grep -E "^(qkv|o |lm_head|device)" ;;
     normrouter) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8}" --in-graph 10 --providers sm121_fma --norm-router --out "$OUT/moe_norm_router.json" 2>&1 | tee "$OUT/normrouter.log" | grep -v "^INFO\|^WARNING" | tail -n 14 ;;  # the router inside the norm kernel vs norm + cuBLAS
     routertests) python3 -m pytest -q -s -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_moe_block.py tests/test_moe.py -k "router or gpt_oss_shapes or f16x2 or tiles_on_gpu or matches_reference" -p no:cacheprovider > "$OUT/routertests.log" 2>&1; r=$?
          grep -E "packed fp16|passed|failed|Error|^E " "$OUT/routertests.log" | tail -n 30; (exit $r) ;;  # the fused router and the default packed products on the GPU

@@ -199,10 +199,28 @@ def test_dense_fma_strided_tiles_env_and_fp32_bias(device, monkeypatch):
         D.dense_fma_tiles(x)
 
 
+def test_dense_fma_tiles_per_token_count_and_width(monkeypatch):
+    """One token on sm_90 takes the swept one-token tiles (lm_head's own); 2+ tokens, other families
+    and the environment override take theirs."""
+    cpu = torch.empty(0)
+    monkeypatch.delenv(D.DENSE_FMA_TILES_ENV, raising=False)
+    assert D.dense_fma_tiles(cpu, 1, 5120) == D.DENSE_FMA_TILES["interpreter"]  # no one-token entry
+    with monkeypatch.context() as mp:
+        mp.setattr(D._platform, "family_of", lambda t: D._platform.SM90)
+        assert D.dense_fma_tiles(cpu, 1, 5120) == D.DenseFmaTiles(8, 256, 8)
+        assert D.dense_fma_tiles(cpu, 1, 201088) == D.DenseFmaTiles(32, 128, 8)
+        assert D.dense_fma_tiles(cpu, 2, 5120) == D.dense_fma_tiles(cpu) == D.DENSE_FMA_TILES[D._platform.SM90]
+        mp.setattr(D._platform, "family_of", lambda t: D._platform.SM12X)
+        assert D.dense_fma_tiles(cpu, 1, 5120) == D.DENSE_FMA_TILES[D._platform.SM12X]
+        mp.setenv(D.DENSE_FMA_TILES_ENV, "32,4,2")
+        assert D.dense_fma_tiles(cpu, 1, 201088) == D.DenseFmaTiles(32, 4, 2)
+
+
 @pytest.mark.aot
 def test_dense_fma_ptx_keeps_denormals_and_has_no_loop_barrier(tmp_path):
     """sm_121a / sm_90a builds of the FMA kernel (AOT, no GPU): no .ftz anywhere (e4m3 denormal
-    codes are fp32 denormals after the bit-trick decode), no bar.sync inside the K loop, no MMA."""
+    codes are fp32 denormals after the bit-trick decode), no MMA, and bar.sync inside the K loop exactly
+    where the tile makes Triton broadcast activation words through shared memory."""
     import os
     import subprocess
     import sys
@@ -217,7 +235,8 @@ def test_dense_fma_ptx_keeps_denormals_and_has_no_loop_barrier(tmp_path):
         "            p = aot.compile_spec(s, arch).ptx\n"
         "            i = p.index('Loop Header'); loop = p[i:p.index('bra', i)]\n"
         "            out[f'{arch}:{s.name}'] = dict(ftz='.ftz' in p, bar=loop.count('bar.sync'),\n"
-        "                mma=bool(re.search(r'\\b(mma|wgmma|ldmatrix|cp\\.async)', p)), ffma='fma.rn.f32' in p)\n"
+        "                mma=bool(re.search(r'\\b(mma|wgmma|ldmatrix|cp\\.async)', p)), ffma='fma.rn.f32' in p,\n"
+        "                broadcast=s.constexprs['BLOCK_KW'] >= 32 * s.num_warps)\n"
         "print(json.dumps(out))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
@@ -227,7 +246,11 @@ def test_dense_fma_ptx_keeps_denormals_and_has_no_loop_barrier(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(res) == 8
     for name, r in res.items():
-        assert r == dict(ftz=False, bar=0, mma=False, ffma=True), (name, r)
+        # kw >= 32 * warps: Triton broadcasts the activation words through shared memory, with
+        # barriers in the loop (the sm_90 one-token tiles do: measured faster all the same)
+        broadcast = r.pop("broadcast")
+        assert (r.pop("bar") > 0) == broadcast, (name, broadcast)
+        assert r == dict(ftz=False, mma=False, ffma=True), (name, r)
 
 
 def _gpt_oss_case(shape: str, m: int):

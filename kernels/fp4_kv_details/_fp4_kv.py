@@ -29,7 +29,10 @@ def _fp4_kv_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD: tl.constexpr,
 ):
+    """Program (token, side): side 0 writes the token's K, side 1 its V (two programs per token, so a
+    one-token decode step spreads over two SMs instead of one warp doing both)."""
     tok = tl.program_id(0).to(tl.int64)
+    side = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
         return
@@ -41,12 +44,11 @@ def _fp4_kv_write_kernel(
     offs_s = tl.arange(0, HEAD // 16)
     # Within a page: [Hkv][BLOCK_SIZE][HEAD/2] data, [Hkv][BLOCK_SIZE][HEAD/16] scales.
     row = offs_h * BLOCK_SIZE + off
-    for side in tl.static_range(2):
-        if side == 0:
-            src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = key_ptr, stride_k_h, stride_k_t, k_data_ptr, k_scale_ptr, stride_kd_b, stride_ks_b, k_global_ptr
-        else:
-            src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = value_ptr, stride_v_h, stride_v_t, v_data_ptr, v_scale_ptr, stride_vd_b, stride_vs_b, v_global_ptr
-        x = tl.load(src + tok * st + offs_h[:, None] * sh + offs_d[None, :]).to(tl.float32)
-        packed, s_code = nvfp4_quantize_rows(x, tl.load(g_ptr), NUM_KV_HEADS, HEAD // 16)
-        tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed)
-        tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code)
+    if side == 0:
+        src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = key_ptr, stride_k_h, stride_k_t, k_data_ptr, k_scale_ptr, stride_kd_b, stride_ks_b, k_global_ptr
+    else:
+        src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = value_ptr, stride_v_h, stride_v_t, v_data_ptr, v_scale_ptr, stride_vd_b, stride_vs_b, v_global_ptr
+    x = tl.load(src + tok * st + offs_h[:, None] * sh + offs_d[None, :]).to(tl.float32)
+    packed, s_code = nvfp4_quantize_rows(x, tl.load(g_ptr), NUM_KV_HEADS, HEAD // 16)
+    tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed)
+    tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code)
