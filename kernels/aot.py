@@ -190,8 +190,8 @@ def nvfp4_specs(family: str) -> list[Spec]:
 
 def norm_specs(family: str) -> list[Spec]:
     return [Spec(name="add_rmsnorm_mxfp8[H2880]", fn=_add_rmsnorm_mxfp8_kernel, constexprs=dict(H=2880, BLOCK_H=4096),
-                 ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8",
-                                s_ptr="*u8"), num_warps=4),
+                 ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
+                                q_ptr="*u8", s_ptr="*u8"), num_warps=4),
             Spec(name="add_rmsnorm_mxfp8_router[H2880,E128]", fn=_add_rmsnorm_mxfp8_router_kernel,
                  constexprs=dict(H=2880, E=128, BLOCK_H=4096, BLOCK_E=ROUTER_BLOCK_E),
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", rw_ptr="*bf16", rb_ptr="*bf16",

@@ -42,9 +42,16 @@ def _check_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -
         V.check_last_dim_contiguous(name, a)
 
 
-def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
-    """Returns (y bf16 [T, H], values float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32]); updates ``residual``."""
+def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                            residual_out: torch.Tensor | None = None):
+    """Returns (y bf16 [T, H], values float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32]); writes
+    ``x + residual`` to ``residual_out`` (default: ``residual``, updated in place)."""
     _check_norm(x, residual, weight)
+    if residual_out is None:
+        residual_out = residual
+    elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1:
+        raise ValueError(f"residual_out {tuple(residual_out.shape)} {residual_out.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype} with a contiguous last dimension")
     t, h = x.shape
     y = torch.empty_like(x)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
@@ -52,9 +59,9 @@ def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if t:
         block_h = triton.next_power_of_2(h)
         # performance hyper-parameters: one row per program; 2880 bf16 = 5.6 KB per row.
-        _add_rmsnorm_mxfp8_kernel[(t,)](x, residual, weight, y, q, s, float(eps), x.stride(0), residual.stride(0),
-                                        y.stride(0), q.stride(0), s.stride(0), H=h, BLOCK_H=block_h,
-                                        num_warps=4 if block_h >= 2048 else 2)
+        _add_rmsnorm_mxfp8_kernel[(t,)](x, residual, residual_out, weight, y, q, s, float(eps), x.stride(0),
+                                        residual.stride(0), residual_out.stride(0), y.stride(0), q.stride(0),
+                                        s.stride(0), H=h, BLOCK_H=block_h, num_warps=4 if block_h >= 2048 else 2)
     return y, q.view(torch.float8_e4m3fn), s
 
 
@@ -78,8 +85,8 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
     t, h = x.shape
     e = router_w.shape[0]
     if t > ROUTER_FUSED_MAX_TOKENS or e % ROUTER_BLOCK_E:
-        res = residual.clone()
-        y, q, s = fused_add_rmsnorm_mxfp8(x, res, weight, eps)
+        res = torch.empty_like(x)
+        y, q, s = fused_add_rmsnorm_mxfp8(x, residual, weight, eps, residual_out=res)
         return res, q, s, torch.nn.functional.linear(y, router_w, router_b)
     res = torch.empty_like(x)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)

@@ -76,6 +76,20 @@ def test_router_fused_bad_input():
     with pytest.raises(ValueError, match="router bias must have shape"):
         fused_add_rmsnorm_mxfp8_router(x, x.clone(), w, torch.zeros(8, 64).bfloat16(), torch.zeros(4).bfloat16())
     assert N.ROUTER_FUSED_MAX_TOKENS >= 1 and 128 % N.ROUTER_BLOCK_E == 0
+    with pytest.raises(ValueError, match="residual_out"):
+        fused_add_rmsnorm_mxfp8(x, x.clone(), w, residual_out=torch.zeros(2, 32).bfloat16())
+
+
+def test_residual_out_leaves_the_input_residual(device):
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(2, 64, generator=g).bfloat16() for _ in range(2))
+    w = torch.ones(64).bfloat16()
+    res_ref = res.clone()
+    y_ref, q_ref, s_ref = fused_add_rmsnorm_mxfp8_torch(x, res_ref, w)
+    res_dev, out = res.to(device), torch.empty(2, 64, dtype=torch.bfloat16, device=device)
+    y, q, s = fused_add_rmsnorm_mxfp8(x.to(device), res_dev, w.to(device), residual_out=out)
+    assert torch.equal(res_dev.cpu(), res) and torch.equal(out.cpu(), res_ref)
+    assert torch.equal(s.cpu(), s_ref)
 
 
 def test_quantizer_scale_rule_and_zero_blocks():

@@ -9,7 +9,8 @@ from ..kv_cache_details._codecs import mxfp8_quantize_rows, to_bf16_rne
 @triton.jit
 def _add_rmsnorm_mxfp8_kernel(
     x_ptr,  # [T, H] bf16 (only bf16: outputs are rounded with to_bf16_rne)
-    res_ptr,  # [T, H] bf16: residual, updated in place to x + residual
+    res_ptr,  # [T, H] bf16: residual
+    res_out_ptr,  # [T, H] bf16: x + residual (res_ptr itself for the in-place update)
     w_ptr,  # [H] norm weight
     y_ptr,  # [T, H] bf16: normalized (for the bf16 router)
     q_ptr,  # [T, H] uint8 e4m3: MXFP8 values (for the experts)
@@ -17,6 +18,7 @@ def _add_rmsnorm_mxfp8_kernel(
     eps,
     stride_x: tl.int64,
     stride_r: tl.int64,
+    stride_ro: tl.int64,
     stride_y: tl.int64,
     stride_q: tl.int64,
     stride_s: tl.int64,
@@ -29,7 +31,7 @@ def _add_rmsnorm_mxfp8_kernel(
     r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
         res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
     r = to_bf16_rne(r)
-    tl.store(res_ptr + row * stride_r + offs, r, mask=m)
+    tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)  # one program per row: reads came first
     rf = r.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
     y = rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
