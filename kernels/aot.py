@@ -250,7 +250,7 @@ def moe_specs(family: str) -> list[Spec]:
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]
-        # the default exact fp32 products, with their own tiles (FMA_TILES; no split-K there)
+        # the exact fp32 products (VLLM_SM121_MOE_FMA_F16X2=0), with their own tiles (FMA_TILES; no split-K there)
         exact = M.FMA_TILES[(family, min(nt, 2))]
         exact_fc2_warps, exact_fc2_stages = exact.fc2_launch()
         assert exact.fc1_split == exact.fc2_split == 1, exact
@@ -275,11 +275,13 @@ def moe_specs(family: str) -> list[Spec]:
             specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
                               constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
                               ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
-        if family == _platform.SM90:  # the opt-in TMA-pipelined GEMVs (tile stages >= 3; sm_90 only)
+        if family == _platform.SM90:  # the TMA-pipelined GEMVs (tile stages >= 3; sm_90 only): the packed
+            # products' default tiles' stage count where it is >= 3 (FMA_TILES_F16X2), else the opt-in 4
+            st = fma.num_stages if fma.num_stages >= 3 else 4
             for spec, rows, kb in ((fc1_spec, fma.fc1_rows, fma.fc1_kb), (fc2_spec, fma.fc2_rows, fma.fc2_kb)):
                 c = {k: v for k, v in spec.constexprs.items() if k != "w_desc"}
                 specs.append(dataclasses.replace(
-                    spec, name=spec.name[:-1] + ", TMA 4 stages]", constexprs=dict(c, TMA=4),
+                    spec, name=spec.name[:-1] + f", TMA {st} stages]", constexprs=dict(c, TMA=st),
                     ptr_types=dict(spec.ptr_types, w_desc=f"tensordesc<i32[{rows}, {kb // 4}]>")))
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
     # with bf16 input (MXFP8 round trip in registers) at the largest.

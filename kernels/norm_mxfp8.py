@@ -49,9 +49,10 @@ def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: tor
     _check_norm(x, residual, weight)
     if residual_out is None:
         residual_out = residual
-    elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1:
-        raise ValueError(f"residual_out {tuple(residual_out.shape)} {residual_out.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype} with a contiguous last dimension")
+    elif (residual_out.shape != x.shape or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1
+          or residual_out.device != x.device):
+        raise ValueError(f"residual_out {tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device} "
+                         f"must match x {tuple(x.shape)} {x.dtype} on {x.device} with a contiguous last dimension")
     t, h = x.shape
     y = torch.empty_like(x)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
@@ -69,8 +70,9 @@ def _check_router(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tenso
     h = x.shape[1]
     if router_w.ndim != 2 or router_w.shape[1] != h or router_w.dtype != torch.bfloat16:
         raise ValueError(f"router weight must be bf16 [num_experts, {h}], got {tuple(router_w.shape)} {router_w.dtype}")
-    if router_b.shape != (router_w.shape[0],):
-        raise ValueError(f"router bias must have shape [{router_w.shape[0]}], got {tuple(router_b.shape)}")
+    if router_b.shape != (router_w.shape[0],) or router_b.dtype != router_w.dtype or router_b.stride(0) != 1:
+        raise ValueError(f"router bias must be contiguous {router_w.dtype} [{router_w.shape[0]}], got "
+                         f"{tuple(router_b.shape)} {router_b.dtype} stride {tuple(router_b.stride())}")
     V.check_last_dim_contiguous("router weight", router_w)
 
 

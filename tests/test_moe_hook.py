@@ -313,10 +313,22 @@ def test_fused_path_all_reduces_under_tensor_and_expert_parallelism(env, monkeyp
 def test_router_in_norm_switch_and_reasons(env, monkeypatch):
     block = build_block(env, "mxfp8")
     assert block.sm121_router_in_norm and hook.router_in_norm_unsupported_reason(block.mlp) is None
+    cfg = env.cfgs["mxfp8"]
+    assert cfg.additional_config[hook.TRACED_KEY]["router_in_norm"] is True
+    hash_on = cfg.compute_hash()
     monkeypatch.setenv(hook.ROUTER_IN_NORM_ENV, "0")
     assert not build_block(env, "mxfp8").sm121_router_in_norm  # read when the model is built
+    # the choice reaches vLLM's compile-cache key (additional_config is hashed; VLLM_SM121_* are not)
+    assert cfg.additional_config[hook.TRACED_KEY]["router_in_norm"] is False and cfg.compute_hash() != hash_on
+    monkeypatch.delenv(hook.ROUTER_IN_NORM_ENV)
     mlp = types.SimpleNamespace(router=torch.nn.Linear(64, 4))
     assert hook.router_in_norm_unsupported_reason(mlp) == "router is not upstream's ReplicatedLinear"
     router = block.mlp.router
+    assert hook.router_in_norm_unsupported_reason(block.mlp, router.weight.shape[1] + 32) == (
+        "router weight not bf16 [E, hidden] with a contiguous last dimension")
+    monkeypatch.setattr(router, "bias", torch.nn.Parameter(router.bias.data.float(), requires_grad=False))
+    assert hook.router_in_norm_unsupported_reason(block.mlp) == "router bias not a contiguous bf16 [E]"
+    monkeypatch.setattr(router, "skip_bias_add", True)
+    assert hook.router_in_norm_unsupported_reason(block.mlp) == "router returns its bias separately"
     monkeypatch.setattr(router, "quant_method", object())
     assert hook.router_in_norm_unsupported_reason(block.mlp) == "quantized router"

@@ -73,8 +73,10 @@ def test_router_fused_bad_input():
     w = torch.ones(64).bfloat16()
     with pytest.raises(ValueError, match="router weight must be bf16"):
         fused_add_rmsnorm_mxfp8_router(x, x.clone(), w, torch.zeros(8, 64), torch.zeros(8).bfloat16())
-    with pytest.raises(ValueError, match="router bias must have shape"):
-        fused_add_rmsnorm_mxfp8_router(x, x.clone(), w, torch.zeros(8, 64).bfloat16(), torch.zeros(4).bfloat16())
+    rw = torch.zeros(8, 64).bfloat16()
+    for bad_bias in (torch.zeros(4).bfloat16(), torch.zeros(8), torch.zeros(16).bfloat16()[::2]):
+        with pytest.raises(ValueError, match="router bias must be contiguous"):
+            fused_add_rmsnorm_mxfp8_router(x, x.clone(), w, rw, bad_bias)
     assert N.ROUTER_FUSED_MAX_TOKENS >= 1 and 128 % N.ROUTER_BLOCK_E == 0
     with pytest.raises(ValueError, match="residual_out"):
         fused_add_rmsnorm_mxfp8(x, x.clone(), w, residual_out=torch.zeros(2, 32).bfloat16())

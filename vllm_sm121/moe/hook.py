@@ -219,9 +219,9 @@ def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | N
 ROUTER_IN_NORM_ENV = "VLLM_SM121_ROUTER_IN_NORM"
 
 
-def router_in_norm_unsupported_reason(mlp: torch.nn.Module) -> str | None:
+def router_in_norm_unsupported_reason(mlp: torch.nn.Module, hidden_size: int | None = None) -> str | None:
     """Why gpt-oss's router cannot run inside the norm kernel (None: it can): it must be upstream's
-    unquantized bf16 linear with a bias, replicated, with no padding of the hidden size."""
+    unquantized bf16 linear over the hidden size, replicated, adding a bf16 bias of its own."""
     from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 
     router = getattr(mlp, "router", None)
@@ -229,10 +229,34 @@ def router_in_norm_unsupported_reason(mlp: torch.nn.Module) -> str | None:
         return "router is not upstream's ReplicatedLinear"
     if not isinstance(getattr(router, "quant_method", None), UnquantizedLinearMethod):
         return "quantized router"
+    if getattr(router, "skip_bias_add", False):
+        return "router returns its bias separately"
     w, b = router.weight, getattr(router, "bias", None)
-    if w.dtype != torch.bfloat16 or w.ndim != 2 or b is None or b.shape != (w.shape[0],):
-        return "router weight not bf16 [E, H] with a bias"
+    if (w.dtype != torch.bfloat16 or w.ndim != 2 or w.stride(-1) != 1
+            or (hidden_size is not None and w.shape[1] != hidden_size)):
+        return "router weight not bf16 [E, hidden] with a contiguous last dimension"
+    if b is None or b.shape != (w.shape[0],) or b.dtype != w.dtype or b.stride(0) != 1:
+        return "router bias not a contiguous bf16 [E]"
     return None
+
+
+# Choices read from the environment that change the traced graph are written into the config's
+# additional_config under this key: vLLM's compile-cache key hashes additional_config
+# (VllmConfig.compute_hash, computed when the model is first compiled, after it is built) but not
+# VLLM_SM121_* variables, so without this a cached graph of the other choice could be loaded.
+TRACED_KEY = "sm121_traced"
+
+
+def record_traced_choice(vllm_config, name: str, value) -> None:
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict):
+        extra.setdefault(TRACED_KEY, {})[name] = value
+    else:  # a SupportsHash object hashes itself: nothing to add to it
+        from vllm.logger import init_logger
+
+        init_logger("vllm.sm121").warning_once(
+            "additional_config is not a dict: the compile cache does not see %s=%r; set "
+            "VLLM_DISABLE_COMPILE_CACHE=1 when switching it", name, value)
 
 
 class Sm121GptOssBlock(TransformerBlock):
@@ -242,8 +266,11 @@ class Sm121GptOssBlock(TransformerBlock):
         super().__init__(vllm_config, quant_config, prefix=prefix)
         reason = fused_moe_unsupported_reason(self, vllm_config)
         self.sm121_fused_moe = reason is None  # decided once; forward branches on this constant
-        self.sm121_router_in_norm = (self.sm121_fused_moe and router_in_norm_unsupported_reason(self.mlp) is None
-                                     and env_int(ROUTER_IN_NORM_ENV, 1) != 0)
+        self.sm121_router_in_norm = (
+            self.sm121_fused_moe and env_int(ROUTER_IN_NORM_ENV, 1) != 0
+            and router_in_norm_unsupported_reason(self.mlp, self.post_attention_layernorm.weight.shape[0]) is None)
+        if self.sm121_fused_moe:
+            record_traced_choice(vllm_config, "router_in_norm", self.sm121_router_in_norm)
         if reason is not None and routed_experts_of(self.mlp) is not None and reason != (
                 "experts not on Sm121Mxfp4MoEMethod"):
             from vllm.logger import init_logger
