@@ -185,7 +185,8 @@ DENSE_FMA_TILES_ENV = "VLLM_SM121_DENSE_FMA_TILES"
 #   qkv (N 5120, K 2880)  8,256,8  7.7 (46% of copy BW)  vs 16,128,8  8.3
 #   o   (N 2880, K 4096)  8,256,8  6.4 (44%)             vs 16,128,8  8.1
 #   lm_head (N 201088)   32,128,8 146.2 (95%)            vs 16,128,8 156.2
-# With 2+ tokens the family tile stays (8,256,8 was slower there: qkv 11.3 / 20.1 vs 10.9 / 16.5 us
+# 8,256,8 is the Pitfall's case above (activation words broadcast through shared memory, barriers
+# in the loop): faster all the same at one token. With 2+ tokens the family tile stays (8,256,8 was slower there: qkv 11.3 / 20.1 vs 10.9 / 16.5 us
 # at M = 2 / 4). sm_12x: not measured, the family tile.
 DENSE_FMA_TILES_M1: dict[tuple[str, bool], DenseFmaTiles] = {
     (_platform.SM90, False): DenseFmaTiles(8, 256, 8),

@@ -217,7 +217,7 @@ def test_dense_fma_tiles_per_token_count_and_width(monkeypatch):
 
 
 @pytest.mark.aot
-def test_dense_fma_ptx_keeps_denormals_and_has_no_loop_barrier(tmp_path):
+def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_path):
     """sm_121a / sm_90a builds of the FMA kernel (AOT, no GPU): no .ftz anywhere (e4m3 denormal
     codes are fp32 denormals after the bit-trick decode), no MMA, and bar.sync inside the K loop exactly
     where the tile makes Triton broadcast activation words through shared memory."""
