@@ -498,6 +498,7 @@ def base_llm_kwargs(
 
 
 SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+NO_COMPILE_CACHE_ENV = "VLLM_DISABLE_COMPILE_CACHE"
 
 
 def engine_env(config_env: Mapping[str, str], llm_kwargs: dict, base: Mapping[str, str]) -> dict[str, str]:
@@ -505,11 +506,19 @@ def engine_env(config_env: Mapping[str, str], llm_kwargs: dict, base: Mapping[st
     ``base`` (the caller's environment) sets it: the child's torch.cuda checks (``start_engine``)
     initialize CUDA, and a forked engine core then fails with "Cannot re-initialize CUDA in
     forked subprocess" (seen at TP = 1 on an H100, 8e7d4de); spawned processes do not care.
-    ``llm_kwargs`` is kept for callers (the TP size once decided it)."""
+    ``llm_kwargs`` is kept for callers (the TP size once decided it).
+
+    A configuration that sets VLLM_SM121_* variables also gets ``VLLM_DISABLE_COMPILE_CACHE=1``
+    (unless ``base`` sets it): vLLM's compile-cache key does not hash those variables, so a
+    configuration that differs from an earlier one only by its environment could load that one's
+    compiled graph (seen at 56c2045: ``sm121-all-moe-exact`` compiled in 5.7 s after
+    ``sm121-all-moe`` took 20.2 s)."""
     del llm_kwargs
     env = dict(config_env)
     if SPAWN_ENV not in base:
         env.setdefault(SPAWN_ENV, "spawn")
+    if any(k.startswith("VLLM_SM121_") for k in config_env) and NO_COMPILE_CACHE_ENV not in base:
+        env.setdefault(NO_COMPILE_CACHE_ENV, "1")
     return env
 
 

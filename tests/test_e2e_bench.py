@@ -456,7 +456,8 @@ def test_dry_run_plan_carries_the_config_environment(tmp_path):
     (m,) = json.loads(out.read_text())["models"]
     envs = {run["config"]: run["plan"]["env"] for run in m["runs"]}
     spawn = {} if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ else {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    assert envs == {"sm121": spawn, "sm121-moe": {"VLLM_SM121_MOE_EXPERIMENTAL": "1", **spawn}}
+    nocache = {} if "VLLM_DISABLE_COMPILE_CACHE" in os.environ else {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+    assert envs == {"sm121": spawn, "sm121-moe": {"VLLM_SM121_MOE_EXPERIMENTAL": "1", **spawn, **nocache}}
 
 
 def test_child_env_isolates_the_moe_opt_in():
@@ -551,6 +552,10 @@ def test_engine_env_spawns_engine_processes():
     tp2 = {"tensor_parallel_size": 2}
     assert e2e.engine_env({}, {}, {}) == {e2e.SPAWN_ENV: "spawn"}  # TP = 1 too: the child initialized CUDA
     assert e2e.engine_env({"A": "1"}, tp2, {}) == {"A": "1", e2e.SPAWN_ENV: "spawn"}
+    # plugin switches: no compile cache (its key does not hash VLLM_SM121_*), unless the caller decides
+    assert e2e.engine_env({"VLLM_SM121_X": "1"}, {}, {}) == {"VLLM_SM121_X": "1", e2e.SPAWN_ENV: "spawn",
+                                                             e2e.NO_COMPILE_CACHE_ENV: "1"}
+    assert e2e.NO_COMPILE_CACHE_ENV not in e2e.engine_env({"VLLM_SM121_X": "1"}, {}, {e2e.NO_COMPILE_CACHE_ENV: "0"})
     # the caller's own choice stands (child_env passes it through)
     assert e2e.engine_env({}, tp2, {e2e.SPAWN_ENV: "fork"}) == {}
     assert e2e.child_env({e2e.SPAWN_ENV: "fork"}, e2e.engine_env({}, tp2, {e2e.SPAWN_ENV: "fork"}))[
