@@ -36,3 +36,51 @@ def test_not_implemented_value_is_an_error_not_a_fallback():
 def test_section_must_be_an_object():
     with pytest.raises(ValueError, match="must be a JSON object"):
         config.parse({"sm121": "mxfp8"})
+
+
+def test_traced_choices_recorded_once_for_the_compile_cache(monkeypatch):
+    """VLLM_SM121_ROUTER_IN_NORM changes the traced graph; vLLM's compile-cache key hashes
+    additional_config, not VLLM_SM121_*: the choice is copied there once, first record winning."""
+    import types
+
+    from vllm_sm121 import config as C
+
+    monkeypatch.delenv(C.ROUTER_IN_NORM_ENV, raising=False)
+    cfg = types.SimpleNamespace(additional_config={"sm121": {"moe": "upstream"}})
+    assert C.record_traced_choices(cfg) == {"router_in_norm": True}
+    monkeypatch.setenv(C.ROUTER_IN_NORM_ENV, "0")
+    assert C.record_traced_choices(cfg) == {"router_in_norm": True}  # already recorded: unchanged
+    assert C.parse(cfg.additional_config).moe == "upstream"  # the sm121 section still parses
+    fresh = types.SimpleNamespace(additional_config=None)
+    assert C.record_traced_choices(fresh) == {"router_in_norm": False}
+    assert fresh.additional_config == {C.TRACED_KEY: {"router_in_norm": False}}
+
+    class Hashed:
+        def compute_hash(self):
+            return "x"
+
+    assert C.record_traced_choices(types.SimpleNamespace(additional_config=Hashed())) is None
+    monkeypatch.setenv(C.ROUTER_IN_NORM_ENV, "yes")
+    with pytest.raises(ValueError, match="VLLM_SM121_ROUTER_IN_NORM"):
+        C.traced_env_choices()
+
+
+def test_cuda_platform_check_records_the_traced_choices(monkeypatch):
+    """The CUDA platform's config check (wrapped by compat) records them before anything hashes."""
+    import types
+
+    from vllm_sm121 import compat
+
+    recorded = []
+
+    class FakeBase:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            recorded.append("original")
+
+    mod = types.SimpleNamespace(CudaPlatformBase=FakeBase)
+    monkeypatch.setattr("vllm_sm121.graph.tail.install_worker", lambda cfg: recorded.append("worker"))
+    compat._patch_cuda_platform_config(mod)
+    cfg = types.SimpleNamespace(additional_config={})
+    FakeBase.check_and_update_config(cfg)
+    assert recorded == ["original", "worker"] and "sm121_traced" in cfg.additional_config

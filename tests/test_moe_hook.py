@@ -317,10 +317,13 @@ def test_router_in_norm_switch_and_reasons(env, monkeypatch):
     assert cfg.additional_config[hook.TRACED_KEY]["router_in_norm"] is True
     hash_on = cfg.compute_hash()
     monkeypatch.setenv(hook.ROUTER_IN_NORM_ENV, "0")
-    assert not build_block(env, "mxfp8").sm121_router_in_norm  # read when the model is built
+    assert build_block(env, "mxfp8").sm121_router_in_norm  # the config's record wins over a later env
+    cfg.additional_config.pop(hook.TRACED_KEY)  # a config checked with the variable set
+    assert not build_block(env, "mxfp8").sm121_router_in_norm
     # the choice reaches vLLM's compile-cache key (additional_config is hashed; VLLM_SM121_* are not)
     assert cfg.additional_config[hook.TRACED_KEY]["router_in_norm"] is False and cfg.compute_hash() != hash_on
     monkeypatch.delenv(hook.ROUTER_IN_NORM_ENV)
+    cfg.additional_config.pop(hook.TRACED_KEY)
     mlp = types.SimpleNamespace(router=torch.nn.Linear(64, 4))
     assert hook.router_in_norm_unsupported_reason(mlp) == "router is not upstream's ReplicatedLinear"
     router = block.mlp.router

@@ -242,9 +242,11 @@ def _patch_cuda_platform_config(module) -> None:
     @functools.wraps(original)
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
+        from vllm_sm121.config import record_traced_choices
         from vllm_sm121.graph.tail import install_worker
 
         install_worker(vllm_config)
+        record_traced_choices(vllm_config)  # before vLLM hashes the config (compile cache, plans)
 
     check_and_update_config._sm121_shim = True
     base.check_and_update_config = classmethod(check_and_update_config)

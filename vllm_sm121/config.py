@@ -11,6 +11,7 @@ naming the option and what is supported -- never a silent fallback to stock beha
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 SECTION = "sm121"
@@ -105,3 +106,43 @@ def current() -> Sm121Config:
     from vllm.config import get_current_vllm_config
 
     return from_vllm_config(get_current_vllm_config())
+
+
+# ---- choices read from the environment that change the traced graph -------------------------------
+# vLLM's compile-cache key hashes additional_config (VllmConfig.compute_hash) but not VLLM_SM121_*
+# variables; such choices are copied into additional_config[TRACED_KEY] when the config is checked
+# (the CUDA platform's check_and_update_config, compat shim 0006/0007), before anything hashes it.
+TRACED_KEY = "sm121_traced"
+# gpt-oss's router inside the post-attention norm kernel (vllm_sm121/moe/hook.py); 0 turns it off
+ROUTER_IN_NORM_ENV = "VLLM_SM121_ROUTER_IN_NORM"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text) != 0
+    except ValueError:
+        raise ValueError(f"${name}={text!r}: expected an integer (0 or 1)") from None
+
+
+def traced_env_choices() -> dict[str, Any]:
+    """The environment's choices that change the traced gpt-oss graph (read now)."""
+    return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True)}
+
+
+def record_traced_choices(vllm_config: Any) -> dict[str, Any] | None:
+    """Put ``traced_env_choices()`` into ``vllm_config.additional_config[TRACED_KEY]`` unless a
+    record is there already (the first record wins: a later one would change the config's hash
+    after vLLM may have used it). Returns the record, or None where additional_config is an object
+    that hashes itself (then the compile cache cannot tell the choices apart)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if extra is None:
+        try:
+            vllm_config.additional_config = extra = {}
+        except (AttributeError, TypeError):
+            return None
+    if not isinstance(extra, dict):
+        return None
+    return extra.setdefault(TRACED_KEY, traced_env_choices())

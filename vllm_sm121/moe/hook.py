@@ -54,7 +54,7 @@ import torch
 from torch.library import Library
 from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
 
-from vllm_sm121.kernels._validate import env_int
+from vllm_sm121.config import ROUTER_IN_NORM_ENV, TRACED_KEY, record_traced_choices, traced_env_choices  # noqa: F401 (re-exported)
 
 from .method import local_expert_map
 
@@ -214,9 +214,9 @@ def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | N
 
 # The router GEMV inside the post-attention norm kernel (``kernels.norm_mxfp8.fused_add_rmsnorm_mxfp8_router``)
 # for batches of up to ROUTER_FUSED_MAX_TOKENS tokens: on by default where the router qualifies
-# (``router_in_norm_unsupported_reason``); VLLM_SM121_ROUTER_IN_NORM=0 (read when the model is built)
-# keeps upstream's router GEMM after the norm.
-ROUTER_IN_NORM_ENV = "VLLM_SM121_ROUTER_IN_NORM"
+# (``router_in_norm_unsupported_reason``); VLLM_SM121_ROUTER_IN_NORM=0 keeps upstream's router GEMM
+# after the norm. Read when the config is checked and recorded in it (``config.record_traced_choices``:
+# vLLM's compile-cache key must see it), else when the model is built.
 
 
 def router_in_norm_unsupported_reason(mlp: torch.nn.Module, hidden_size: int | None = None) -> str | None:
@@ -240,25 +240,6 @@ def router_in_norm_unsupported_reason(mlp: torch.nn.Module, hidden_size: int | N
     return None
 
 
-# Choices read from the environment that change the traced graph are written into the config's
-# additional_config under this key: vLLM's compile-cache key hashes additional_config
-# (VllmConfig.compute_hash, computed when the model is first compiled, after it is built) but not
-# VLLM_SM121_* variables, so without this a cached graph of the other choice could be loaded.
-TRACED_KEY = "sm121_traced"
-
-
-def record_traced_choice(vllm_config, name: str, value) -> None:
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict):
-        extra.setdefault(TRACED_KEY, {})[name] = value
-    else:  # a SupportsHash object hashes itself: nothing to add to it
-        from vllm.logger import init_logger
-
-        init_logger("vllm.sm121").warning_once(
-            "additional_config is not a dict: the compile cache does not see %s=%r; set "
-            "VLLM_DISABLE_COMPILE_CACHE=1 when switching it", name, value)
-
-
 class Sm121GptOssBlock(TransformerBlock):
     """gpt-oss ``TransformerBlock`` whose post-attention norm feeds MXFP8 to ``Sm121Mxfp4MoEMethod``."""
 
@@ -266,11 +247,10 @@ class Sm121GptOssBlock(TransformerBlock):
         super().__init__(vllm_config, quant_config, prefix=prefix)
         reason = fused_moe_unsupported_reason(self, vllm_config)
         self.sm121_fused_moe = reason is None  # decided once; forward branches on this constant
+        choices = record_traced_choices(vllm_config) or traced_env_choices()
         self.sm121_router_in_norm = (
-            self.sm121_fused_moe and env_int(ROUTER_IN_NORM_ENV, 1) != 0
+            self.sm121_fused_moe and choices["router_in_norm"]
             and router_in_norm_unsupported_reason(self.mlp, self.post_attention_layernorm.weight.shape[0]) is None)
-        if self.sm121_fused_moe:
-            record_traced_choice(vllm_config, "router_in_norm", self.sm121_router_in_norm)
         if reason is not None and routed_experts_of(self.mlp) is not None and reason != (
                 "experts not on Sm121Mxfp4MoEMethod"):
             from vllm.logger import init_logger
