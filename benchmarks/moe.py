@@ -426,7 +426,15 @@ def header(device, copy_gbps) -> dict:
                 "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
                 "versions": versions, "commit": commit, "copy_gbps": copy_gbps,
                 # the plugin's switches this run had (packed products, register cap, fusions, tiles, ...)
-                "sm121_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_SM121_")}}
+                "sm121_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_SM121_")},
+                # what the FMA GEMVs multiply with here (packed fp16 is the GPU default since stop 25)
+                "fma_products": "packed fp16" if _fma_f16x2(device) else "exact fp32"}
+
+
+def _fma_f16x2(device) -> bool:
+    from vllm_sm121.kernels.moe import fma_f16x2
+
+    return fma_f16x2(torch.empty(0, device=device))
 
 
 def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
