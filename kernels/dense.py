@@ -166,8 +166,8 @@ class DenseFmaTiles:
 
 
 # performance hyper-parameters, per architecture family: set before any GPU run and timed as is
-# on an H100 at 8e7318f (numbers above; one-token tiles: DENSE_FMA_TILES_M1 below, swept), not swept yet (benchmarks/dense.py --fma-tiles sweeps
-# them through $VLLM_SM121_DENSE_FMA_TILES). 16 rows x 128 words (512 bytes) per K step, 8 warps: each thread loads two
+# on an H100 at 8e7318f (numbers above), not swept (benchmarks/dense.py --fma-tiles sweeps them
+# through $VLLM_SM121_DENSE_FMA_TILES; the one-token tiles, DENSE_FMA_TILES_M1 below, were). 16 rows x 128 words (512 bytes) per K step, 8 warps: each thread loads two
 # 16-byte weight vectors and two 16-byte activation vectors per token per step (8 KB of weights
 # per program in flight); qkv (N = 5120) is 320 programs, o (N = 2880) 180, lm_head 12568.
 # Pitfall (sm_121a / sm_90a PTX, triton 3.6): with kw >= 32 * warps Triton loads the activation
@@ -186,8 +186,9 @@ DENSE_FMA_TILES_ENV = "VLLM_SM121_DENSE_FMA_TILES"
 #   o   (N 2880, K 4096)  8,256,8  6.4 (44%)             vs 16,128,8  8.1
 #   lm_head (N 201088)   32,128,8 146.2 (95%)            vs 16,128,8 156.2
 # 8,256,8 is the Pitfall's case above (activation words broadcast through shared memory, barriers
-# in the loop): faster all the same at one token. With 2+ tokens the family tile stays (8,256,8 was slower there: qkv 11.3 / 20.1 vs 10.9 / 16.5 us
-# at M = 2 / 4). sm_12x: not measured, the family tile.
+# in the loop): faster all the same at one token. With 2+ tokens the family tile stays (8,256,8
+# was slower there: qkv 11.3 / 20.1 vs 10.9 / 16.5 us at M = 2 / 4). sm_12x: not measured, the
+# family tile.
 DENSE_FMA_TILES_M1: dict[tuple[str, bool], DenseFmaTiles] = {
     (_platform.SM90, False): DenseFmaTiles(8, 256, 8),
     (_platform.SM90, True): DenseFmaTiles(32, 128, 8),

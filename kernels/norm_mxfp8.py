@@ -86,11 +86,10 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
     _check_router(x, router_w, router_b)
     t, h = x.shape
     e = router_w.shape[0]
+    res = torch.empty_like(x)
     if t > ROUTER_FUSED_MAX_TOKENS or e % ROUTER_BLOCK_E:
-        res = torch.empty_like(x)
         y, q, s = fused_add_rmsnorm_mxfp8(x, residual, weight, eps, residual_out=res)
         return res, q, s, torch.nn.functional.linear(y, router_w, router_b)
-    res = torch.empty_like(x)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
     s = torch.empty(t, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
     g = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)

@@ -108,7 +108,7 @@ for step in "$@"; do
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
     profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes
-                   tag=${a%%|*}; VLLM_SM121_MOE_FMA_F16X2=1 VLLM_SM121_MOE_FUSED_ROUTE=1 VLLM_SM121_MOE_FUSED_COMBINE=1 \
+                   tag=${a%%|*}; VLLM_SM121_MOE_FUSED_ROUTE=1 VLLM_SM121_MOE_FUSED_COMBINE=1 \
                      python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
                      --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; r=$?; echo "--- profile 120b $tag: rc $r"
                    if [ $r = 0 ]; then sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; else fail=1; tail -n 40 "$OUT/profile_120b_$tag.log"; fi

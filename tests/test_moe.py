@@ -10,15 +10,7 @@ from vllm_sm121.kernels.moe import dequant_mxfp4_torch, moe_fc1_swiglu, moe_fc1_
 from vllm_sm121.kernels.moe_details._mx import _bf16_bits, load_mxfp4_tile, mxfp4_tile_bf16, mxfp8_tile_bf16
 from vllm_sm121.kernels.norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 
-pytestmark = pytest.mark.interpreter
-
-
-@pytest.fixture(autouse=True)
-def _exact_products(monkeypatch):
-    """These tests hold the FMA GEMVs to the exact products' rules (FC1 within one e4m3 step of the
-    reference): pin $VLLM_SM121_MOE_FMA_F16X2=0 (on a GPU the packed fp16 products are the default;
-    their own test sets the variable itself)."""
-    monkeypatch.setenv("VLLM_SM121_MOE_FMA_F16X2", "0")
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("exact_moe_products")]
 
 
 def test_dequant_mxfp4_matches_checkpoint_helper():

@@ -14,11 +14,8 @@ import torch
 from vllm_sm121.kernels import moe as K
 
 
-@pytest.fixture(autouse=True)
-def _exact_products(monkeypatch):
-    """The FMA GEMVs are held to the exact products' rules here: pin $VLLM_SM121_MOE_FMA_F16X2=0 (on a
-    GPU the packed fp16 products are the default; test_gpt_oss_shapes_on_gpu checks them too)."""
-    monkeypatch.setenv(K.FMA_F16X2_ENV, "0")
+# the exact products' rules here (test_gpt_oss_shapes_on_gpu checks the packed ones too)
+pytestmark = pytest.mark.usefixtures("exact_moe_products")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,28 @@ from ..kv_cache_details._codecs import mxfp8_quantize_rows, to_bf16_rne
 
 
 @triton.jit
+def _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row ``row``: (offs, mask, r = bf16(x + residual), y = rmsnorm(r) * w in fp32)."""
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
+        res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+    r = to_bf16_rne(r)
+    rf = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
+    return offs, m, r, rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """MXFP8 of fp32 row ``y`` [BLOCK_H] (e4m3 values, e8m0 scale per 32) stored at ``row``."""
+    codes, scales = mxfp8_quantize_rows(y[None, :], 1, BLOCK_H // 32)
+    tl.store(q_ptr + row * stride_q + offs[None, :], codes, mask=m[None, :])
+    offs_b = tl.arange(0, BLOCK_H // 32)
+    tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)
+
+
+@triton.jit
 def _add_rmsnorm_mxfp8_kernel(
     x_ptr,  # [T, H] bf16 (only bf16: outputs are rounded with to_bf16_rne)
     res_ptr,  # [T, H] bf16: residual
@@ -26,20 +48,10 @@ def _add_rmsnorm_mxfp8_kernel(
     BLOCK_H: tl.constexpr,  # power of two >= H
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_H)
-    m = offs < H
-    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
-        res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
-    r = to_bf16_rne(r)
+    offs, m, r, y = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)  # one program per row: reads came first
-    rf = r.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
-    y = rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, to_bf16_rne(y), mask=m)
-    codes, scales = mxfp8_quantize_rows(y[None, :], 1, BLOCK_H // 32)
-    tl.store(q_ptr + row * stride_q + offs[None, :], codes, mask=m[None, :])
-    offs_b = tl.arange(0, BLOCK_H // 32)
-    tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)
+    _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H, BLOCK_H)
 
 
 @triton.jit
@@ -72,14 +84,7 @@ def _add_rmsnorm_mxfp8_router_kernel(
     its own output: updating it in place would race with the other programs of the row."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_H)
-    m = offs < H
-    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
-        res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
-    r = to_bf16_rne(r)
-    rf = r.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
-    y = rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    offs, m, r, y = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     yb = to_bf16_rne(y).to(tl.float32)  # the router reads bf16 y, as upstream's
     offs_e = j * BLOCK_E + tl.arange(0, BLOCK_E)
     wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * stride_rw + offs[None, :], mask=m[None, :], other=0.0)
@@ -87,7 +92,4 @@ def _add_rmsnorm_mxfp8_router_kernel(
     tl.store(g_ptr + row * stride_g + offs_e, to_bf16_rne(g))
     if j == 0:
         tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)
-        codes, scales = mxfp8_quantize_rows(y[None, :], 1, BLOCK_H // 32)
-        tl.store(q_ptr + row * stride_q + offs[None, :], codes, mask=m[None, :])
-        offs_b = tl.arange(0, BLOCK_H // 32)
-        tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)
+        _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H, BLOCK_H)
