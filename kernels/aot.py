@@ -421,14 +421,33 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 _SASS_BACK_BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 
 
+def _spec_sass(spec: Spec, arch: int) -> str:
+    sig, attrs = _signature(spec)
+    kernel = triton.compile(ASTSource(spec.fn, sig, _constexprs(spec), attrs), target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+    return _cubin_sass(kernel.asm["cubin"])
+
+
+_SASS_OP = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+# What the memory order of a decode kernel is read from: global loads (LDG, cp.async LDGSTS, TMA
+# UTMALDG), barriers, waits, branches, stores, exits.
+_ORDER_OPS = ("LDG", "LDGSTS", "UTMALDG", "BAR", "SYNCS.PHASECHK", "BRA", "EXIT", "STG")
+
+
+def sass_order(spec: Spec, arch: int = 90) -> list[str]:
+    """The kernel's global loads, barriers, pipeline waits, branches, stores and exits in code order
+    (full opcodes, e.g. ``LDG.E.128``, ``BAR.SYNC.DEFER_BLOCKING``): where no GPU can time a small
+    decode kernel, this says how many memory round trips it makes before its stores (a load placed
+    after a barrier or a loop waits for everything before it)."""
+    ops = [m.group(2) for m in map(_SASS_OP.search, _spec_sass(spec, arch).splitlines()) if m]
+    return [op for op in ops if op.startswith(_ORDER_OPS)]
+
+
 def sass_loop(spec: Spec, arch: int) -> tuple[int, dict[str, int]]:
     """Instructions of the largest loop with an MMA (else the largest loop) in ``spec``'s SASS
     (Triton's bundled cuobjdump), and their opcode counts: a static proxy for the per-iteration
     cost where no GPU can time it (a loop = the span of a backward branch)."""
-    sig, attrs = _signature(spec)
-    kernel = triton.compile(ASTSource(spec.fn, sig, _constexprs(spec), attrs), target=GPUTarget("cuda", arch, 32),
-                            options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
-    sass = _cubin_sass(kernel.asm["cubin"])
+    sass = _spec_sass(spec, arch)
     lines = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
     loops = []
     for m in _SASS_BACK_BRA.finditer(sass):
@@ -453,9 +472,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write {arch: {kernel: {instructions, shared_bytes, sm90_only}}} here")
     ap.add_argument("--sass-loop", metavar="SUBSTRING",
                     help="instead: SASS instructions of the MMA loop of every kernel whose name contains SUBSTRING")
+    ap.add_argument("--sass-order", metavar="NAME", nargs="+",
+                    help="instead: {kernel: sass_order} as JSON for these kernel names (sm_90a: the bundled "
+                         "cuobjdump cannot disassemble sm_121a)")
     args = ap.parse_args(argv)
     if triton.knobs.runtime.interpret:
         raise SystemExit("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler")
+    if args.sass_order:
+        specs = {s.name: s for s in all_specs(ARCHS[90])}
+        missing = [n for n in args.sass_order if n not in specs]
+        if missing:
+            raise SystemExit(f"--sass-order: no kernel named {missing}; names: {sorted(specs)}")
+        print(json.dumps({n: sass_order(specs[n], 90) for n in args.sass_order}))
+        return 0
     if args.sass_loop:
         for arch in args.arch:
             for spec in all_specs(ARCHS[arch]):

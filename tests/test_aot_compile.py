@@ -130,3 +130,41 @@ def test_every_constexpr_parameter_compiles_as_a_constant():
             assert all(sig[k] == "constexpr" for k in consts), spec.name
             if spec.name.startswith("moe_route"):
                 assert "HAS_MAP" in consts, spec.name
+
+
+def _before(order: list[str], first: tuple[str, ...]) -> list[str]:
+    """The ops before the first one starting with any of ``first``."""
+    i = next((k for k, op in enumerate(order) if op.startswith(first)), len(order))
+    return order[:i]
+
+
+def test_small_decode_kernels_load_everything_before_waiting():
+    """Where no GPU can time them: the small per-layer decode kernels issue all their global loads
+    up front, so each makes one memory round trip before its stores (sm_90a SASS; at 56c2045 the
+    KV write and the split combine loaded their data after an early-exit test on a loaded index,
+    the norms loaded their weights after the sum-of-squares barriers and the router kernel its
+    bias after a second one, the dense GEMV its scale and bias after the K loop, the MoE GEMVs
+    their bias after the K loop and, in the TMA pipeline, each step's weight scales inside it)."""
+    names = ["fp4_kv_write[d64,8 heads]", "combine_splits[d64,sinks]", "add_rmsnorm_mxfp8[H2880]",
+             "add_rmsnorm_mxfp8_router[H2880,E128]", "dense_fp8_fma[qkv K2880, M1]", "dense_fp8_fma[o K4096, M1]",
+             "moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M1, TMA 3 stages]",
+             "moe_fc2_fma[gpt-oss H2880 I2880 top4, M1, TMA 3 stages]"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_sm121.kernels.aot", "--sass-order", *names], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    order = json.loads(proc.stdout.strip().splitlines()[-1])
+    loads = lambda ops: [op for op in ops if op.startswith("LDG")]  # noqa: E731
+    for name in names[:2]:  # every load before the first exit, store or barrier
+        assert loads(order[name]) and loads(_before(order[name], ("EXIT", "STG", "BAR"))) == loads(order[name]), \
+            (name, order[name])
+    for name in names[2:4]:  # every load before the first (reduction) barrier
+        assert loads(_before(order[name], ("BAR",))) == loads(order[name]), (name, order[name])
+    for name in names[4:6]:  # scale and bias (scalar loads) with the first weights, before the first barrier
+        head = _before(order[name], ("BAR",))
+        assert {"LDG.E", "LDG.E.U16"} <= set(head) and "LDG.E.128" in head, (name, order[name])
+        assert not [op for op in order[name][len(head):] if op in ("LDG.E", "LDG.E.U16")], (name, order[name])
+    for name in names[6:]:  # bias (bf16) and the first step's weight scales (bytes) before the pipeline's first wait
+        head = _before(order[name], ("SYNCS.PHASECHK",))
+        assert "LDG.E.U16" in head and "LDG.E.U8" in head, (name, order[name])
+        assert "LDG.E.U16" not in order[name][len(head):], (name, order[name])

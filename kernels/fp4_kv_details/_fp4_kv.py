@@ -33,22 +33,27 @@ def _fp4_kv_write_kernel(
     one-token decode step spreads over two SMs instead of one warp doing both)."""
     tok = tl.program_id(0).to(tl.int64)
     side = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
-    page = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
     offs_h = tl.arange(0, NUM_KV_HEADS)
     offs_d = tl.arange(0, HEAD)
     offs_p = tl.arange(0, HEAD // 2)
     offs_s = tl.arange(0, HEAD // 16)
-    # Within a page: [Hkv][BLOCK_SIZE][HEAD/2] data, [Hkv][BLOCK_SIZE][HEAD/16] scales.
-    row = offs_h * BLOCK_SIZE + off
     if side == 0:
         src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = key_ptr, stride_k_h, stride_k_t, k_data_ptr, k_scale_ptr, stride_kd_b, stride_ks_b, k_global_ptr
     else:
         src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = value_ptr, stride_v_h, stride_v_t, v_data_ptr, v_scale_ptr, stride_vd_b, stride_vs_b, v_global_ptr
+    # The slot, the token's row and the global scale are loaded together, and a skipped slot masks
+    # the stores rather than returning early (the compiler would sink the row's loads below such a
+    # branch): one memory round trip before the stores instead of two. The row exists for every
+    # token < T, padded graph rows included, so loading it for a skipped slot is harmless.
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     x = tl.load(src + tok * st + offs_h[:, None] * sh + offs_d[None, :]).to(tl.float32)
-    packed, s_code = nvfp4_quantize_rows(x, tl.load(g_ptr), NUM_KV_HEADS, HEAD // 16)
-    tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed)
-    tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code)
+    g = tl.load(g_ptr)
+    ok = slot >= 0
+    slot = tl.maximum(slot, 0)
+    page = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    # Within a page: [Hkv][BLOCK_SIZE][HEAD/2] data, [Hkv][BLOCK_SIZE][HEAD/16] scales.
+    row = offs_h * BLOCK_SIZE + off
+    packed, s_code = nvfp4_quantize_rows(x, g, NUM_KV_HEADS, HEAD // 16)
+    tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed, mask=ok)
+    tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code, mask=ok)

@@ -192,6 +192,12 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
     acc3 = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.float32)
     if PREFETCH and TMA == 0:
         w_nxt = tl.load(w_base + g_lo * 4, mask=rows_ok[:, None] & (g_lo * 4 + offs_c[None, :] < K // 8), other=0)
+    # The scales one step ahead too (with PREFETCH, and in the TMA pipeline for up to 2 tokens): byte
+    # loads, which neither TMA nor Triton's cp.async pipelining (4-byte minimum) can carry, would
+    # otherwise stall every step for a memory round trip. Not with TMA at NT >= 3, where the extra
+    # registers spill (sm_90a, FC1: 32 -> 96 bytes of stack at NT = 4, 0 -> 32 at NT = 3).
+    WS_AHEAD: tl.constexpr = PREFETCH if TMA == 0 else NT <= 2
+    if WS_AHEAD:
         ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
     if PDL:  # the weights (never written) are in flight: now wait for the previous kernel's activations
         pdl_wait_then_release()
@@ -199,20 +205,21 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
         g0 = g_lo + gi
         g_ok = g0 + offs_g < K // 32
         c_ok = g0 * 4 + offs_c < K // 8
-        if TMA > 0:  # Triton pipelines the descriptor loads (cp.async.bulk.tensor + mbarriers)
-            w = w_desc.load([row0, g0 * 4])
-            ws = tl.load(ws_base + g0, mask=rows_ok[None, :] & g_ok[:, None], other=127)
-        elif PREFETCH:  # software pipelining by hand: the next step's loads are issued before this step's math
-            w = w_nxt
+        in_range = gi + BLOCK_G < G_RANGE  # the next step is this program's (not the next split's)
+        if WS_AHEAD:  # the scales: loaded one step ahead (see above)
             ws = ws_nxt
-            in_range = gi + BLOCK_G < G_RANGE  # the next step is this program's (not the next split's)
-            c_nxt = ((g0 + BLOCK_G) * 4 + offs_c < K // 8) & in_range
             g_nxt = (g0 + BLOCK_G + offs_g < K // 32) & in_range
-            w_nxt = tl.load(w_base + (g0 + BLOCK_G) * 4, mask=rows_ok[:, None] & c_nxt[None, :], other=0)
             ws_nxt = tl.load(ws_base + g0 + BLOCK_G, mask=rows_ok[None, :] & g_nxt[:, None], other=127)
         else:
-            w = tl.load(w_base + g0 * 4, mask=rows_ok[:, None] & c_ok[None, :], other=0)
             ws = tl.load(ws_base + g0, mask=rows_ok[None, :] & g_ok[:, None], other=127)
+        if TMA > 0:  # Triton pipelines the descriptor loads (cp.async.bulk.tensor + mbarriers)
+            w = w_desc.load([row0, g0 * 4])
+        elif PREFETCH:  # software pipelining by hand: the next step's loads are issued before this step's math
+            w = w_nxt
+            c_nxt = ((g0 + BLOCK_G) * 4 + offs_c < K // 8) & in_range
+            w_nxt = tl.load(w_base + (g0 + BLOCK_G) * 4, mask=rows_ok[:, None] & c_nxt[None, :], other=0)
+        else:
+            w = tl.load(w_base + g0 * 4, mask=rows_ok[:, None] & c_ok[None, :], other=0)
         w_exp = tl.trans(tl.maximum(ws.to(tl.int32) - 127, -126))  # [BLOCK_R, BLOCK_G]
         if F16X2:
             p0, p1, p2, p3 = _e2m1_pairs_f16(w)
@@ -381,6 +388,8 @@ def _moe_fc1_swiglu_fma_kernel(
     row0 = (expert * (2 * I) + nb * BLOCK_R).to(tl.int32)
     G_RANGE: tl.constexpr = K // 32 if SPLIT == 1 else GPS
     split = tl.program_id(2) if SPLIT > 1 else 0  # (a constant 0 unsplit: the K loop starts at 0)
+    if NT <= 2:  # the bias before the K loop (no round trip after it) where registers allow (EARLY_MAX_NT)
+        bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
                                   u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
                                   w_desc=w_desc, row0=row0, TMA=TMA)
@@ -389,7 +398,8 @@ def _moe_fc1_swiglu_fma_kernel(
         last, h0, h1, h2, h3 = _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT, BLOCK_R, SPLIT)
         if not last:
             return
-    bias = tl.load(bias_ptr + w_rows).to(tl.float32)
+    if NT > 2:
+        bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     _fc1_epilogue(h0, u0, t0, s0, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
     if NT > 1:
         _fc1_epilogue(h1, u1, t1, s1, bias, nb, out_ptr, out_scale_ptr, I, TOPK, BLOCK_R, ALPHA, LIMIT, HW_FP8)
@@ -400,12 +410,30 @@ def _moe_fc1_swiglu_fma_kernel(
 
 
 @triton.jit
-def _fc2_epilogue(y, tok, slot, hit, offs_j, topk_w_ptr, part_ptr, rows, row_ok, split, H: tl.constexpr,
+def _routing_weight(topk_w_ptr, tok, hit, offs_j, TOPK: tl.constexpr):
+    """Token ``tok``'s routing weight for the program's expert: the sum over its slots ``hit`` routed
+    there (loaded before the K loop, so the epilogue waits on no memory)."""
+    return tl.sum(tl.load(topk_w_ptr + tok * TOPK + offs_j, mask=hit, other=0.0))
+
+
+@triton.jit
+def _fc2_epilogue_inputs(bias_ptr, w_rows, split, topk_w_ptr, hit, offs_t, t0, t1, offs_j, TOPK: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """FC2's bias for rows ``w_rows`` (split 0's only with SPLIT > 1) and the routing weights of
+    users 0 and 1 (``_routing_weight``)."""
+    bias = tl.load(bias_ptr + w_rows).to(tl.float32)
+    if SPLIT > 1:
+        bias = tl.where(split == 0, bias, 0.0)  # the bias goes into split 0's partial only
+    return (bias, _routing_weight(topk_w_ptr, t0, _hit_row(hit, offs_t, t0), offs_j, TOPK),
+            _routing_weight(topk_w_ptr, t1, _hit_row(hit, offs_t, t1), offs_j, TOPK))
+
+
+@triton.jit
+def _fc2_epilogue(y, rw, tok, slot, hit, offs_j, part_ptr, rows, row_ok, split, H: tl.constexpr,
                   TOPK: tl.constexpr, SPLIT: tl.constexpr):
-    """w * y into partial row (tok * TOPK + slot) * SPLIT + split; zeros into the token's other
-    slots routed to the same expert (their weights are summed here), so the combine sums every
-    (slot, split) once."""
-    rw = tl.sum(tl.load(topk_w_ptr + tok * TOPK + offs_j, mask=hit, other=0.0))
+    """rw * y into partial row (tok * TOPK + slot) * SPLIT + split (rw: ``_routing_weight``); zeros
+    into the token's other slots routed to the same expert (their weights are summed into rw), so
+    the combine sums every (slot, split) once."""
     val = y * rw
     for j in tl.static_range(TOPK):
         hit_j = tl.sum(tl.where(offs_j == j, hit.to(tl.int32), 0)) > 0
@@ -489,23 +517,30 @@ def _moe_fc2_fma_kernel(
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < H
     w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: row H-1 (TMA: the next expert's), never stored
+    # The epilogue's bias and routing weights before the K loop (no memory round trip after it) for
+    # up to 2 tokens; with more, the registers they hold across the loop spill (sm_90a, TMA tiles).
+    if NT <= 2:
+        bias, rw0, rw1 = _fc2_epilogue_inputs(bias_ptr, w_rows, split, topk_w_ptr, hit, offs_t, t0, t1, offs_j,
+                                              TOPK, SPLIT)
     y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
                                   I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
                                   row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA)
-    bias = tl.load(bias_ptr + w_rows).to(tl.float32)
-    if SPLIT > 1:
-        bias = tl.where(split == 0, bias, 0.0)  # the bias goes into split 0's partial only
-    _fc2_epilogue(y0 + bias, t0, s0, _hit_row(hit, offs_t, t0), offs_j, topk_w_ptr, part_ptr, rows, row_ok, split,
-                  H, TOPK, SPLIT)
-    if NT > 1:
-        _fc2_epilogue(y1 + bias, t1, s1, _hit_row(hit, offs_t, t1), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u1,
-                      split, H, TOPK, SPLIT)
     if NT > 2:
-        _fc2_epilogue(y2 + bias, t2, s2, _hit_row(hit, offs_t, t2), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u2,
-                      split, H, TOPK, SPLIT)
+        bias, rw0, rw1 = _fc2_epilogue_inputs(bias_ptr, w_rows, split, topk_w_ptr, hit, offs_t, t0, t1, offs_j,
+                                              TOPK, SPLIT)
+    _fc2_epilogue(y0 + bias, rw0, t0, s0, _hit_row(hit, offs_t, t0), offs_j, part_ptr, rows, row_ok, split, H, TOPK,
+                  SPLIT)
+    if NT > 1:
+        _fc2_epilogue(y1 + bias, rw1, t1, s1, _hit_row(hit, offs_t, t1), offs_j, part_ptr, rows, row_ok & u1, split,
+                      H, TOPK, SPLIT)
+    if NT > 2:
+        hit2 = _hit_row(hit, offs_t, t2)
+        _fc2_epilogue(y2 + bias, _routing_weight(topk_w_ptr, t2, hit2, offs_j, TOPK), t2, s2, hit2, offs_j, part_ptr,
+                      rows, row_ok & u2, split, H, TOPK, SPLIT)
     if NT > 3:
-        _fc2_epilogue(y3 + bias, t3, s3, _hit_row(hit, offs_t, t3), offs_j, topk_w_ptr, part_ptr, rows, row_ok & u3,
-                      split, H, TOPK, SPLIT)
+        hit3 = _hit_row(hit, offs_t, t3)
+        _fc2_epilogue(y3 + bias, _routing_weight(topk_w_ptr, t3, hit3, offs_j, TOPK), t3, s3, hit3, offs_j, part_ptr,
+                      rows, row_ok & u3, split, H, TOPK, SPLIT)
     if COMBINE:
         _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R)

@@ -8,15 +8,18 @@ from ..kv_cache_details._codecs import mxfp8_quantize_rows, to_bf16_rne
 
 @triton.jit
 def _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Row ``row``: (offs, mask, r = bf16(x + residual), y = rmsnorm(r) * w in fp32)."""
+    """Row ``row``: (offs, mask, r = bf16(x + residual), y = rmsnorm(r) * w in fp32). The norm weight
+    is loaded with the row, before the sum of squares (a reduction through shared memory, whose
+    barriers no load crosses): one memory round trip, not two."""
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(
         res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
     r = to_bf16_rne(r)
     rf = r.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
-    return offs, m, r, rf * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    return offs, m, r, rf * rstd * w
 
 
 @triton.jit
@@ -84,11 +87,15 @@ def _add_rmsnorm_mxfp8_router_kernel(
     its own output: updating it in place would race with the other programs of the row."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
+    # The router rows and bias first: issued with the row's loads, not after the norm's reduction.
+    offs_e = j * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_h = tl.arange(0, BLOCK_H)
+    wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * stride_rw + offs_h[None, :], mask=(offs_h < H)[None, :],
+                 other=0.0)
+    rb = tl.load(rb_ptr + offs_e).to(tl.float32)
     offs, m, r, y = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     yb = to_bf16_rne(y).to(tl.float32)  # the router reads bf16 y, as upstream's
-    offs_e = j * BLOCK_E + tl.arange(0, BLOCK_E)
-    wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * stride_rw + offs[None, :], mask=m[None, :], other=0.0)
-    g = tl.sum(wt.to(tl.float32) * yb[None, :], axis=1) + tl.load(rb_ptr + offs_e).to(tl.float32)
+    g = tl.sum(wt.to(tl.float32) * yb[None, :], axis=1) + rb
     tl.store(g_ptr + row * stride_g + offs_e, to_bf16_rne(g))
     if j == 0:
         tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)

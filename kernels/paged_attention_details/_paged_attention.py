@@ -455,29 +455,34 @@ def _combine_splits_kernel(
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    # Rows past the last real token (CUDA-graph padding) hold no partials.
-    if tok >= tl.load(query_start_loc_ptr + num_seqs):
-        return
     row = tok.to(tl.int64) * num_q_heads + head
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_PAD)
+    # Every load is issued at once, the token count too: rows past the last real token (CUDA-graph
+    # padding) hold no partials, so their store is masked instead of returning early (the compiler
+    # would sink the partials' loads below that branch: two memory round trips instead of one). The
+    # workspace has a row for every token of the grid, padded ones included.
+    real = tok < tl.load(query_start_loc_ptr + num_seqs)
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2)
     l = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2 + 1)
-    m_max = tl.max(m, axis=0)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * RCP_LN2
+    if KV_FP8:
+        v_scale = tl.load(v_scale_ptr)
+    m_max = tl.max(m, axis=0)
+    if USE_SINKS:
         m_max = tl.maximum(m_max, sink)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_use)
     denom = tl.sum(l * w, axis=0)
     if USE_SINKS:
         denom += tl.exp2(sink - m_use)
-    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     if KV_FP8:
-        o = o * tl.load(v_scale_ptr)
+        o = o * v_scale
     tl.store(
         out_ptr + tok.to(tl.int64) * stride_o_t + head * stride_o_h + offs_d,
         o.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_SIZE,
+        mask=(offs_d < HEAD_SIZE) & real,
     )
