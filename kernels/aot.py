@@ -126,6 +126,7 @@ def attention_specs(family: str) -> list[Spec]:
                 USE_SOFTCAP=features, USE_SINKS=features, KV_FP8=fp8, KV_NVFP4=False,
                 NUM_SPLITS=8 if (features and kind == "decode") else 1, DOT_FP32=False, E2M1_HW=False, NVFP4_VEC=False,
                 NVFP4_ASM=False, NVFP4_WORDS=False,
+                SEQ_CHUNK=16 if kind == "decode" else 0,  # the launcher's: decode up to 256 sequences
             ),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_table_ptr="*i32",
                            seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
@@ -147,7 +148,7 @@ def attention_specs(family: str) -> list[Spec]:
             constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                             BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=128, USE_SOFTCAP=True,
                             USE_SINKS=True, KV_FP8=False, KV_NVFP4=True, NUM_SPLITS=8, DOT_FP32=False,
-                            E2M1_HW=hw, NVFP4_VEC=vec, NVFP4_ASM=asm, NVFP4_WORDS=words),
+                            E2M1_HW=hw, NVFP4_VEC=vec, NVFP4_ASM=asm, NVFP4_WORDS=words, SEQ_CHUNK=16),
             ptr_types=dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*u8", v_cache_ptr="*u8", k_bscale_ptr="*u8",
                            v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
                            query_start_loc_ptr="*i32"),

@@ -49,6 +49,8 @@ SPLIT_MAX_QUERY_ROWS = 64
 # decode): best at 4-8 programs per SM for batch 1-8 (b1 ctx8k: 64 splits 15.7 us vs 32 splits
 # 18.1 us), 2 splits at batch 32.
 PROGRAMS_PER_SM = 4
+# Batches of up to this many sequences load the per-sequence lists whole in each program (_locate).
+SEQ_CHUNK_MAX = 256
 # With the GPU already filled (>= 1 program per SM), split only contexts at least this long:
 # H200, window-128 layers at batch 32: 1 split 11.4 us vs 2 splits 15.7 us (the merge launch).
 FILLED_GPU_MIN_SPLIT_TOKENS = 2048
@@ -333,6 +335,11 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         part_acc = part_ml = dummy
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    # Decode batches of up to SEQ_CHUNK_MAX sequences find their sequence in one memory round trip
+    # (_locate); a power of two >= 16 (few specialisations). Prefill keeps the binary search: its
+    # programs amortize it, and the lookup costs the prefill tile registers (sm_90a: 157 -> 206, one
+    # program fewer per SM; decode 92 -> 112, where shared memory already allows only 2 per SM).
+    seq_chunk = max(16, _next_pow2(num_seqs)) if kind.startswith("decode") and num_seqs <= SEQ_CHUNK_MAX else 0
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, q, key_cache, value_cache, k_bs, v_bs,
         block_table, seq_lens, query_start_loc, sinks_t, k_scale_t, v_scale_t,
@@ -352,7 +359,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
-        and _word_aligned(key_cache, value_cache),
+        and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:

@@ -144,11 +144,14 @@ def test_small_decode_kernels_load_everything_before_waiting():
     KV write and the split combine loaded their data after an early-exit test on a loaded index,
     the norms loaded their weights after the sum-of-squares barriers and the router kernel its
     bias after a second one, the dense GEMV its scale and bias after the K loop, the MoE GEMVs
-    their bias after the K loop and, in the TMA pipeline, each step's weight scales inside it)."""
+    their bias after the K loop and, in the TMA pipeline, each step's weight scales inside it, and
+    the decode attention found its sequence by a binary search of dependent loads, then loaded its
+    query range and length one after the other)."""
     names = ["fp4_kv_write[d64,8 heads]", "combine_splits[d64,sinks]", "add_rmsnorm_mxfp8[H2880]",
              "add_rmsnorm_mxfp8_router[H2880,E128]", "dense_fp8_fma[qkv K2880, M1]", "dense_fp8_fma[o K4096, M1]",
              "moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M1, TMA 3 stages]",
-             "moe_fc2_fma[gpt-oss H2880 I2880 top4, M1, TMA 3 stages]"]
+             "moe_fc2_fma[gpt-oss H2880 I2880 top4, M1, TMA 3 stages]", "paged_attention[decode,d64,bf16,plain]",
+             "paged_attention[decode,d64,nvfp4-asm,all-features]"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "vllm_sm121.kernels.aot", "--sass-order", *names], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -164,7 +167,10 @@ def test_small_decode_kernels_load_everything_before_waiting():
         head = _before(order[name], ("BAR",))
         assert {"LDG.E", "LDG.E.U16"} <= set(head) and "LDG.E.128" in head, (name, order[name])
         assert not [op for op in order[name][len(head):] if op in ("LDG.E", "LDG.E.U16")], (name, order[name])
-    for name in names[6:]:  # bias (bf16) and the first step's weight scales (bytes) before the pipeline's first wait
+    for name in names[8:]:  # decode attention: the sequence lookup is the three list loads at once, no search loop
+        head = _before(order[name], ("EXIT",))
+        assert head == ["LDG.E"] * 3, (name, order[name])
+    for name in names[6:8]:  # bias (bf16) and the first step's weight scales (bytes) before the pipeline's first wait
         head = _before(order[name], ("SYNCS.PHASECHK",))
         assert "LDG.E.U16" in head and "LDG.E.U8" in head, (name, order[name])
         assert "LDG.E.U16" not in order[name][len(head):], (name, order[name])

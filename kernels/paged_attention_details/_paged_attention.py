@@ -167,6 +167,33 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _locate(query_start_loc_ptr, seq_lens_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr,
+            SEQ_CHUNK: tl.constexpr):
+    """(sequence, its first query token, its query length, its total length) of program
+    ``q_block_global``. SEQ_CHUNK > 0 (a power of two >= num_seqs): the three per-sequence lists are
+    loaded whole, at once, and the sequence found by counting (one memory round trip, where the
+    binary search makes log2(num_seqs) dependent ones and the two lookups after it two more);
+    SEQ_CHUNK = 0: ``_find_seq``'s binary search (batches of more sequences)."""
+    if SEQ_CHUNK > 0:
+        offs = tl.arange(0, SEQ_CHUNK)
+        ok = offs < num_seqs
+        starts = tl.load(query_start_loc_ptr + offs, mask=ok, other=0)
+        ends = tl.load(query_start_loc_ptr + offs + 1, mask=ok, other=0)
+        lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
+        seq = tl.sum((ok & (starts // BLOCK_Q + offs <= q_block_global)).to(tl.int32)) - 1
+        sel = offs == seq
+        q_start = tl.sum(tl.where(sel, starts, 0))
+        q_len = tl.sum(tl.where(sel, ends, 0)) - q_start
+        seq_len = tl.sum(tl.where(sel, lens, 0))
+    else:
+        seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_start, q_len, seq_len
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, HEAD_SIZE]                (NUM_SPLITS == 1)
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1)
@@ -218,18 +245,17 @@ def _paged_attention_kernel(
     NVFP4_VEC: tl.constexpr,  # nvfp4: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
     NVFP4_ASM: tl.constexpr,  # nvfp4, bit-trick decode: 4 bytes per inline-PTX block (not for the interpreter)
     NVFP4_WORDS: tl.constexpr,  # nvfp4: 32-bit word loads, e4m3-byte decode (inline PTX with NVFP4_ASM), V as V^T
+    SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq, q_start, q_len, seq_len = _locate(query_start_loc_ptr, seq_lens_ptr, q_block_global, num_seqs, BLOCK_Q,
+                                           SEQ_CHUNK)
     q_block = q_block_global - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
