@@ -86,6 +86,11 @@ for step in "$@"; do
     quickgpu) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_fp4_kv.py -p no:cacheprovider 2>&1 | tail -n 4 | tee "$OUT/quickgpu.log"  # dense one-token tiles, the two-program KV write
          python3 benchmarks/dense.py --m 1 --providers sm121,cublas_bf16 --out "$OUT/dense_m1.json" 2>&1 | tee "$OUT/dense_m1.log" | grep -E "^(qkv|o |lm_head|device)" ;;
     normrouter) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8}" --in-graph 10 --providers sm121_fma --norm-router --out "$OUT/moe_norm_router.json" 2>&1 | tee "$OUT/normrouter.log" | grep -v "^INFO\|^WARNING" | tail -n 14 ;;  # the router inside the norm kernel vs norm + cuBLAS
+    # Stop 26's load-order changes (all GPU-untested when made): the kernel tests of every kernel
+    # they touched, on the GPU (norms + router, KV write, split combine and decode attention, dense
+    # GEMV, MoE FMA GEMVs incl. the TMA tiles and the packed products).
+    loadorder) python3 -m pytest -q -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_dense.py tests/test_moe.py tests/test_moe_block.py -p no:cacheprovider > "$OUT/loadorder.log" 2>&1; r=$?
+         grep -E "passed|failed|Error|^E " "$OUT/loadorder.log" | tail -n 30; (exit $r) ;;
     routertests) python3 -m pytest -q -s -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_moe_block.py tests/test_moe.py -k "router or gpt_oss_shapes or f16x2 or tiles_on_gpu or matches_reference" -p no:cacheprovider > "$OUT/routertests.log" 2>&1; r=$?
          grep -E "packed fp16|passed|failed|Error|^E " "$OUT/routertests.log" | tail -n 30; (exit $r) ;;  # the fused router and the default packed products on the GPU
     moeupstream) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8,64,512}" --in-graph 10 --providers sm121,triton,marlin --out "$OUT/moe_upstream${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moeupstream${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # issue 6: every upstream backend that runs here
@@ -97,7 +102,10 @@ for step in "$@"; do
     densetests) python3 -m pytest -q -s -m gpu tests/test_dense.py tests/test_dense_method.py tests/test_dense_wiring.py -p no:cacheprovider 2>&1 | tee "$OUT/densetests.log" | grep -E "delta|passed|failed|Error" | tail -n 30 ;;
     densegpu) python3 -m pytest -q -m gpu tests/test_dense.py -p no:cacheprovider 2>&1 | tail -n 15 | tee "$OUT/densegpu.log" ;;
     moefmasweep) python3 benchmarks/moe.py --m 1,2,4 --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,1,4,1,2;64,256,32,256,4,1,4,1,4;64,256,16,256,4,1,4,1,2;64,256,32,256,8,2,4,2,2;64,256,32,256,8,2,4,2,4}" --out "$OUT/moe_fma_sweep.json" 2>&1 | tee "$OUT/moefmasweep.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
-    densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-16,128,8;8,128,4;8,128,8;16,64,4;32,128,8;4,128,4;16,256,8;8,256,8}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
+    # The one-token sweep of stop 25 won with the fewest K steps (each step is a dependent memory
+    # round trip: its barriers keep the next step's loads behind it); the default list adds tiles
+    # with one K step (kw 1024: every weight load issued at once; sm_90a, no spills, 47-80 regs).
+    densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-8,256,8;16,128,8;8,512,8;8,1024,8;4,1024,8;4,1024,4;8,1024,16;16,1024,16;4,512,4}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
     moechunk) python3 benchmarks/moe.py --m 1,4,5,8,16,32,64 --providers sm121_fma,sm121_decode,sm121_grouped,triton --out "$OUT/moe_chunk.json" 2>&1 | tee "$OUT/moechunk.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
     e2etiny) python3 benchmarks/e2e.py --model models/gpt-oss-tiny --configs "${E2E_CONFIGS:-upstream-default,upstream-triton,sm121,sm121-graph-a,sm121-graph}" --points "${E2E_POINTS:-tg128,tg128-b8}" ${E2E_ARGS:-} --out "$OUT/e2e_tiny${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_tiny${E2E_TAG:-}.log" | tail -n 40 ;;
     profilewm) fail=0; for a in "default|--backend default" "sm121|--backend SM121" "wm_a|--whole-model" "wm|--whole-model" "wm_p|--whole-model"; do
