@@ -223,6 +223,10 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe-fused with the packed fp16 products pinned on (their default on a GPU)", **OFF,
            env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
+    Config("sm121-all-moe-rope", {**SM121, "kv_cache_dtype": "nvfp4",
+                                  "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           "sm121-all-moe + gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue (opt-in)", **OFF,
+           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_ROPE_IN_QKV", "1"))),
     Config("sm121-all-moe-exact", {**SM121, "kv_cache_dtype": "nvfp4",
                                    "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
            "sm121-all-moe with the exact fp32 products and the router as its own GEMM (the defaults before "

@@ -341,6 +341,11 @@ def dense_specs(family: str) -> list[Spec]:
                               constexprs=dict(K=k, NT=nt, BLOCK_R=fma.rows, BLOCK_KW=min(fma.kw, triton.next_power_of_2(k // 4)),
                                               HAS_BIAS=bias),
                               ptr_types=fma_ptrs, num_warps=fma.num_warps))
+            if what == "qkv":  # gpt-oss's rotary embedding in the epilogue (q + k rows: 72 heads of 64)
+                specs.append(Spec(name=f"dense_fp8_fma[qkv K{k}, M{nt}, rope]", fn=_dense_fp8_fma_kernel,
+                                  constexprs=dict(specs[-1].constexprs, ROPE=True, ROPE_ROWS=72 * 64, HEAD=64),
+                                  ptr_types=dict(fma_ptrs, pos_ptr="*i64", cs_ptr="*fp32"),
+                                  num_warps=fma.num_warps))
     return specs
 
 

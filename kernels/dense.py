@@ -415,7 +415,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def _dense_fma(x, w, scale, bias, out) -> torch.Tensor:
+def _dense_fma(x, w, scale, bias, out, rope=None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     tiles = dense_fma_tiles(x, m, n)
@@ -424,10 +424,74 @@ def _dense_fma(x, w, scale, bias, out) -> torch.Tensor:
     except RuntimeError:
         xw = (x.contiguous() if not x.is_contiguous() else x.clone()).view(torch.int64)
     kw = min(tiles.kw, V._next_pow2(k // 4))
+    extra = {}
+    if rope is not None:  # (positions, cos_sin_cache, rope_rows, head_size), checked by dense_fp8_linear_rope
+        positions, cache, rope_rows, head = rope
+        extra = dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows,
+                     HEAD=head)
     _dense_fp8_fma_kernel[(-(-n // tiles.rows),)](
         xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
-        num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps, **extra)
+    return out
+
+
+def _rope_tiles_fit(tiles: DenseFmaTiles, rope_rows: int, head: int) -> bool:
+    """The FMA kernel can rotate in its epilogue: each program's rows pair up inside one head's halves."""
+    half = tiles.rows // 2
+    return half >= 1 and (head // 2) % half == 0 and rope_rows % tiles.rows == 0
+
+
+def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
+                          *, path: str = "auto") -> torch.Tensor:
+    """``dense_fp8_linear`` followed by the NeoX rotary embedding of the first ``rope_rows`` outputs
+    (gpt-oss's qkv_proj then ``rotary_emb(positions, q, k)``: q and k heads of ``head_size``, the
+    rotation over the whole head, ``cos_sin_cache`` [max_position, head_size] = cos then sin halves).
+
+    On the FMA path (few tokens) the rotation runs in the GEMV's epilogue: no kernel of its own.
+    Elsewhere the projection's output is rotated afterwards (``rope_neox_``). Numerics as upstream's:
+    the bf16 projection rotated with the cache rounded to bf16, fp32 arithmetic, one bf16 rounding.
+    """
+    m, n, _ = _check_linear(x, w, scale, bias)
+    V.check_ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, head_size]")
+    V.check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32, torch.bfloat16))
+    V.check_dtype("positions", positions, (torch.int64, torch.int32))
+    if (head_size % 2 or cos_sin_cache.shape[1] != head_size or rope_rows % head_size or not 0 < rope_rows <= n
+            or cos_sin_cache.stride(1) != 1):
+        raise ValueError(f"rotary embedding: head_size={head_size}, rope_rows={rope_rows} (N={n}), cos_sin_cache "
+                         f"{tuple(cos_sin_cache.shape)} are not supported; supported: an even head size, rope_rows a "
+                         "positive multiple of it <= N, a [max_position, head_size] cache with a contiguous last "
+                         "dimension (rotation over the whole head, NeoX halves)")
+    if positions.shape != (m,) or positions.stride(0) != 1:
+        raise ValueError(f"positions must be a contiguous [{m}] tensor (one per token), got {tuple(positions.shape)}")
+    if path == "auto":
+        path = select_path(m, n)
+    if path == "fma" and m <= DENSE_FMA_KERNEL_MAX_M and _rope_tiles_fit(dense_fma_tiles(x, m, n), rope_rows,
+                                                                        head_size):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        if m == 0:
+            return out
+        return _dense_fma(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
+    out = dense_fp8_linear(x, w, scale, bias, path=path)
+    return rope_neox_(out, positions, cos_sin_cache, rope_rows, head_size)
+
+
+def rope_neox_(out: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,
+               head_size: int) -> torch.Tensor:
+    """In place on bf16 ``out`` [M, N]: NeoX rotation of columns [0, rope_rows) as heads of
+    ``head_size`` (upstream's ``RotaryEmbedding.forward_native`` numerics: cache in bf16, fp32
+    arithmetic, one rounding). Returns ``out``; also the reference of the fused epilogue."""
+    m = out.shape[0]
+    if m == 0:
+        return out
+    half = head_size // 2
+    cs = cos_sin_cache.index_select(0, positions.long()).to(torch.bfloat16).float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x = out[:, :rope_rows].view(m, rope_rows // head_size, head_size).float()
+    x1, x2 = x[..., :half], x[..., half:]
+    rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out[:, :rope_rows] = rot.reshape(m, rope_rows).to(torch.bfloat16)
     return out
 
 

@@ -244,7 +244,7 @@ def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_pat
     import json
 
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 8
+    assert len(res) == 12  # qkv (plain and with the rotation) and o, M = 1 and 4, both archs
     for name, r in res.items():
         # kw >= 32 * warps: Triton broadcasts the activation words through shared memory, with
         # barriers in the loop (the sm_90 one-token tiles do: measured faster all the same)
@@ -301,3 +301,68 @@ def test_dense_w8a8_path_gpt_oss_120b_shapes(shape, m, monkeypatch):
     assert rel < 4e-3, rel
     monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "8")
     assert torch.equal(D.dense_fp8_linear(x, q, s, b), out)
+
+
+def _rope_case(m, heads_q, heads_kv, head, k, device, seed, cache_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    n = (heads_q + 2 * heads_kv) * head
+    x = torch.randn(m, k, generator=g).bfloat16().to(device)
+    w = (torch.randn(n, k, generator=g) * 0.5).bfloat16().to(device)
+    b = torch.randn(n, generator=g).bfloat16().to(device)
+    q, s = D.fp8_per_channel_quantize(w)
+    max_pos = 4096
+    ang = torch.rand(max_pos, head // 2, generator=g) * 6.3
+    cache = torch.cat((ang.cos(), ang.sin()), dim=-1).to(cache_dtype).to(device)
+    pos = torch.randint(0, max_pos, (m,), generator=g).to(device)
+    return x, q, s, b, pos, cache, (heads_q + heads_kv) * head
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32cache", "bf16cache"])
+def test_rope_in_the_fma_epilogue_matches_linear_then_rotation(m, cache_dtype, device):
+    """The qkv GEMV with gpt-oss's NeoX rotation in its epilogue (rows paired inside each head's halves)
+    against the same GEMV unrotated and then rotated (``rope_neox_``): the projection is the same
+    kernel's, so only the rotation's fp32 arithmetic may differ (fused multiply-adds): at most one bf16
+    step, almost everywhere equal. v rows (past rope_rows) are not rotated."""
+    head = 64
+    x, q, s, b, pos, cache, rope_rows = _rope_case(m, 4, 2, head, 96, device, 7 + m, cache_dtype)
+    fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="fma")
+    plain = D.dense_fp8_linear(x, q, s, b, path="fma")
+    ref = D.rope_neox_(plain.clone(), pos, cache, rope_rows, head)
+    assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])  # v: as the plain GEMV
+    assert not torch.equal(ref[:, :rope_rows], plain[:, :rope_rows])  # (the rotation did something)
+    diff = (fused.float() - ref.float()).abs()
+    step = ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7
+    assert bool((diff <= step).all()), float((diff / step).max())
+    assert float((diff == 0).float().mean()) > 0.97
+
+
+@pytest.mark.interpreter
+def test_rope_off_the_fma_path_and_bad_input(device):
+    """More tokens than the FMA GEMV takes: the projection, then ``rope_neox_`` (same numbers as the
+    reference built from the unrotated projection); bad shapes are refused by name."""
+    head = 64
+    x, q, s, b, pos, cache, rope_rows = _rope_case(6, 2, 1, head, 64, device, 3)
+    out = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head)
+    ref = D.rope_neox_(D.dense_fp8_linear(x, q, s, b), pos, cache, rope_rows, head)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="rope_rows"):
+        D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows + 32, head)
+    with pytest.raises(ValueError, match="positions"):
+        D.dense_fp8_linear_rope(x, q, s, b, pos[:2], cache, rope_rows, head)
+    with pytest.raises(ValueError, match="head_size"):
+        D.dense_fp8_linear_rope(x, q, s, b, pos, cache[:, :32], rope_rows, head)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_rope_in_the_fma_epilogue_gpt_oss_120b_qkv(m):
+    """gpt-oss-120b's qkv (64 q + 8 kv heads of 64, K 2880) with the rotation fused, on the GPU."""
+    x, q, s, b, pos, cache, rope_rows = _rope_case(m, 64, 8, 64, 2880, "cuda", 11 + m)
+    fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, 64, path="fma")
+    plain = D.dense_fp8_linear(x, q, s, b, path="fma")
+    ref = D.rope_neox_(plain.clone(), pos, cache, rope_rows, 64)
+    assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])
+    diff = (fused.float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all())

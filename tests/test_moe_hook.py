@@ -335,3 +335,96 @@ def test_router_in_norm_switch_and_reasons(env, monkeypatch):
     assert hook.router_in_norm_unsupported_reason(block.mlp) == "router returns its bias separately"
     monkeypatch.setattr(router, "quant_method", object())
     assert hook.router_in_norm_unsupported_reason(block.mlp) == "quantized router"
+
+
+def _gpt_oss_rope(cfg, head: int = 64):
+    """gpt-oss's rotary embedding as OAIAttention builds it (YaRN, NeoX, fp32 cache)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(cfg):
+        return _get_rope(get_rope, head)
+
+
+def _get_rope(get_rope, head):
+    return get_rope(head, max_position=131072, dtype=torch.float32, is_neox_style=True,
+                    rope_parameters={"rope_theta": 150000.0, "rope_type": "yarn", "factor": 32.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False})
+
+
+@pytest.mark.parametrize("m", [1, 3, 6])  # FMA GEMV (rotation in its epilogue) up to 4 tokens, then GEMV + torch
+def test_rope_in_qkv_feeds_attention_what_upstream_rotation_gives(env, m):
+    """``hooked_attn_forward`` against upstream's own rotation: the attention receives q, k, v of the
+    same shapes and order, with q and k within one bf16 step of the FP8 qkv projection rotated by
+    vLLM's ``RotaryEmbedding.forward_native`` (eager, bf16 per operation; ours rounds once), and v
+    untouched; the output is o_proj of what the attention returned."""
+    from vllm_sm121.kernels import dense as D
+
+    head, hq, hkv, hidden = 64, 2, 1, 96
+    g = torch.Generator().manual_seed(m)
+    n = (hq + 2 * hkv) * head
+    q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, hidden, generator=g) * 0.3).bfloat16())
+    qkv_proj = types.SimpleNamespace(weight=q8, weight_scale=s8, bias=torch.randn(n, generator=g).bfloat16())
+    seen = {}
+
+    def attention(q, k, v):
+        seen.update(q=q.clone(), k=k.clone(), v=v.clone())
+        return q * 2
+
+    def o_proj(a):
+        return a + 1, None
+
+    rope = _gpt_oss_rope(env.cfgs["mxfp8"], head)
+    attn = types.SimpleNamespace(qkv_proj=qkv_proj, rotary_emb=rope, attn=attention, o_proj=o_proj,
+                                 q_size=hq * head, kv_size=hkv * head, head_dim=head)
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    pos = torch.randint(0, 8192, (m,), generator=g)
+    out = hook.hooked_attn_forward(attn, x, pos)
+    qkv = D.dense_fp8_linear(x, q8, s8, qkv_proj.bias, path="fma" if m <= 4 else "auto")
+    q_up, k_up = rope.forward_native(pos, qkv[:, :hq * head].clone(), qkv[:, hq * head:(hq + hkv) * head].clone())
+    for name, want in (("q", q_up), ("k", k_up)):
+        got = seen[name].float()
+        assert got.shape == want.shape, name
+        # eager bf16 rounds x1 * cos, x2 * sin and their difference: errors scale with the terms, not
+        # the (possibly cancelled) result: bound by bf16 steps of the token's largest projection
+        scale = qkv.float().abs().amax(dim=1, keepdim=True)
+        err = float(((got - want.float()).abs() / scale).max())
+        assert err <= 2.0 ** -6, (name, err)  # two bf16 steps of the row's largest value
+    assert torch.equal(seen["v"], qkv[:, (hq + hkv) * head:])
+    assert torch.equal(out, seen["q"] * 2 + 1)
+
+
+def test_rope_in_qkv_switch_and_reasons(env, monkeypatch):
+    """Opt-in ($VLLM_SM121_ROPE_IN_QKV=1, a traced choice); refused with a reason without FP8 dense
+    weights or on another attention class (the stand-in here), and then the block keeps upstream's."""
+    from vllm_sm121 import config as C
+
+    monkeypatch.delenv(C.ROPE_IN_QKV_ENV, raising=False)
+    assert C.traced_env_choices()["rope_in_qkv"] is False
+    block = build_block(env, "mxfp8")
+    assert block.sm121_rope_in_qkv is False
+    cfg = env.cfgs["mxfp8"]
+    assert "dense_weights" in hook.rope_in_qkv_unsupported_reason(block.attn, cfg)
+    fp8 = types.SimpleNamespace(additional_config={"sm121": {"dense_weights": "fp8"}})
+    assert "OAIAttention" in hook.rope_in_qkv_unsupported_reason(block.attn, fp8)
+    monkeypatch.setenv(C.ROPE_IN_QKV_ENV, "1")
+    assert C.traced_env_choices()["rope_in_qkv"] is True
+
+
+def test_opcheck_qkv_rope_op():
+    """``sm121::dense_fp8_linear_rope``: schema and fake implementation, on the fused (few tokens) and
+    the unfused path."""
+    from vllm_sm121.dense import method  # registers the op
+    from vllm_sm121.kernels import dense as D
+
+    assert method is not None
+    g = torch.Generator().manual_seed(6)
+    q8, s8 = D.fp8_per_channel_quantize((torch.randn(256, 64, generator=g) * 0.3).bfloat16())
+    bias = torch.randn(256, generator=g).bfloat16()
+    cache = torch.rand(512, 64, generator=g)
+    for t in (2, 7):
+        x = torch.randn(t, 64, generator=g).bfloat16()
+        pos = torch.randint(0, 512, (t,), generator=g)
+        torch.library.opcheck(torch.ops.sm121.dense_fp8_linear_rope.default, (x, q8, s8, bias, pos, cache, 192, 64),
+                              test_utils=("test_faketensor",))

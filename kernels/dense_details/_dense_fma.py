@@ -71,10 +71,49 @@ def _token_dot(w0, w1, w2, w3, x_row, offs_w, w_ok, BLOCK_R: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _epilogue(acc, scale, bias, out_ptr, t, stride_om, rows, row_ok, HAS_BIAS: tl.constexpr):
+def _rope_rows(b, ROPE_ROWS: tl.constexpr, HEAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program ``b``'s output rows and, per row, its rotary index (-1: no rotation) and sign. The
+    first ROPE_ROWS rows (q and k heads of HEAD features, NeoX halves) go to programs as pairs of
+    runs: P = BLOCK_R / 2 features j0 .. j0 + P - 1 of one head's first half, then the same of its
+    second half, so each program holds both rows every rotated output needs; the rows after
+    ROPE_ROWS (v) are contiguous runs as without rotation."""
+    P: tl.constexpr = BLOCK_R // 2
+    HALF: tl.constexpr = HEAD // 2
+    r = tl.arange(0, BLOCK_R)
+    rope = b * BLOCK_R < ROPE_ROWS
+    j = (b % (HALF // P)) * P + r % P  # rotary index of row r in a rotary program
+    rot_rows = (b // (HALF // P)) * HEAD + (r // P) * HALF + j
+    rows = tl.where(rope, rot_rows, b * BLOCK_R + r)
+    return rows, tl.where(rope, j, -1), tl.where(r < P, -1.0, 1.0)
+
+
+@triton.jit
+def _rope_factors(pos_ptr, cs_ptr, stride_cs, t, j, sign, HEAD: tl.constexpr):
+    """Token t's (cos, signed sin) per row (1 and 0 for rows j < 0), bf16-rounded as upstream's
+    RotaryEmbedding uses its cache in the activations' dtype."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    ok = j >= 0
+    c = tl.load(cs_ptr + pos * stride_cs + j, mask=ok, other=1.0).to(tl.float32)
+    sn = tl.load(cs_ptr + pos * stride_cs + HEAD // 2 + j, mask=ok, other=0.0).to(tl.float32)
+    return to_bf16_rne(c).to(tl.float32), to_bf16_rne(sn).to(tl.float32) * sign
+
+
+@triton.jit
+def _swap_halves(y, BLOCK_R: tl.constexpr):
+    """y [BLOCK_R] with its two halves exchanged (each row's rotation partner)."""
+    a, b = tl.split(tl.trans(tl.reshape(y, [2, BLOCK_R // 2])))
+    return tl.reshape(tl.trans(tl.join(b, a)), [BLOCK_R])
+
+
+@triton.jit
+def _epilogue(acc, scale, bias, out_ptr, t, stride_om, rows, row_ok, HAS_BIAS: tl.constexpr, c=None, sn=None,
+              ROPE: tl.constexpr = False, BLOCK_R: tl.constexpr = 1):
     y = (tl.sum(acc, axis=1) * OUT_SCALE) * scale
     if HAS_BIAS:
         y += bias
+    if ROPE:  # NeoX rotation of the bf16 projection (as upstream rotates the linear's bf16 output)
+        y = to_bf16_rne(y).to(tl.float32)
+        y = y * c + _swap_halves(y, BLOCK_R) * sn
     tl.store(out_ptr + t * stride_om + rows, to_bf16_rne(y), mask=row_ok)
 
 
@@ -93,9 +132,18 @@ def _dense_fp8_fma_kernel(
     BLOCK_R: tl.constexpr,  # weight rows per program, power of two
     BLOCK_KW: tl.constexpr,  # int32 words (4 bytes) of each row per K step, power of two >= 4
     HAS_BIAS: tl.constexpr,
+    pos_ptr=None,  # ROPE: [NT] int64 token positions
+    cs_ptr=None,  # ROPE: [max_position, HEAD] rotary cache, cos (HEAD / 2) then sin (HEAD / 2) per position
+    stride_cs=0,
+    ROPE: tl.constexpr = False,  # NeoX rotary embedding of the first ROPE_ROWS outputs in the epilogue
+    ROPE_ROWS: tl.constexpr = 0,  # multiple of HEAD and BLOCK_R; HEAD / 2 a multiple of BLOCK_R / 2
+    HEAD: tl.constexpr = 64,
 ):
     KW: tl.constexpr = K // 4
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if ROPE:
+        rows, rot_j, rot_sign = _rope_rows(tl.program_id(0), ROPE_ROWS, HEAD, BLOCK_R)
+    else:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     # Rows past N read row N-1 (never stored): the weight loads need no row mask.
     w_base = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * KW
@@ -111,6 +159,15 @@ def _dense_fp8_fma_kernel(
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     else:
         bias = scale
+    c0, c1, c2, c3, sn0, sn1, sn2, sn3 = scale, scale, scale, scale, scale, scale, scale, scale  # (unused without ROPE)
+    if ROPE:  # the rotation factors too, before the loop (positions, then the cache: off the weights' path)
+        c0, sn0 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 0, rot_j, rot_sign, HEAD)
+        if NT > 1:
+            c1, sn1 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 1, rot_j, rot_sign, HEAD)
+        if NT > 2:
+            c2, sn2 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 2, rot_j, rot_sign, HEAD)
+        if NT > 3:
+            c3, sn3 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 3, rot_j, rot_sign, HEAD)
     for k0 in range(0, KW, BLOCK_KW):
         offs_w = k0 + offs_c
         w_ok = offs_w < KW
@@ -126,10 +183,10 @@ def _dense_fp8_fma_kernel(
             acc2 += _token_dot(w0, w1, w2, w3, x_ptr + 2 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
         if NT > 3:
             acc3 += _token_dot(w0, w1, w2, w3, x_ptr + 3 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
-    _epilogue(acc0, scale, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS)
+    _epilogue(acc0, scale, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS, c0, sn0, ROPE, BLOCK_R)
     if NT > 1:
-        _epilogue(acc1, scale, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS)
+        _epilogue(acc1, scale, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS, c1, sn1, ROPE, BLOCK_R)
     if NT > 2:
-        _epilogue(acc2, scale, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS)
+        _epilogue(acc2, scale, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS, c2, sn2, ROPE, BLOCK_R)
     if NT > 3:
-        _epilogue(acc3, scale, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS)
+        _epilogue(acc3, scale, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS, c3, sn3, ROPE, BLOCK_R)

@@ -56,11 +56,27 @@ def _dense_fp8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
     return torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
 
 
+def _dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,
+                           head_size: int) -> torch.Tensor:
+    from vllm_sm121.kernels.dense import dense_fp8_linear_rope as kernel
+
+    return kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size)
+
+
+def _dense_fp8_linear_rope_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                                positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,
+                                head_size: int) -> torch.Tensor:
+    return torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
+
+
 def _register_ops() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
 
     direct_register_custom_op("dense_fp8_linear", _dense_fp8_linear, fake_impl=_dense_fp8_linear_fake,
                               target_lib=_lib)
+    direct_register_custom_op("dense_fp8_linear_rope", _dense_fp8_linear_rope,
+                              fake_impl=_dense_fp8_linear_rope_fake, target_lib=_lib)
 
 
 _register_ops()  # once per process (module import)
@@ -75,6 +91,18 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         x2 = x2.contiguous()
     out = torch.ops.sm121.dense_fp8_linear(x2, w, scale, bias)
     return out.reshape(*lead, w.shape[0])
+
+
+def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,
+                          head_size: int) -> torch.Tensor:
+    """bf16 [T, N]: ``dense_fp8_linear`` with gpt-oss's NeoX rotary embedding applied to its first
+    ``rope_rows`` outputs (q and k), in the GEMV's epilogue for few tokens
+    (``kernels.dense.dense_fp8_linear_rope``). x: contiguous [T, K]; positions [T]."""
+    if x.stride(-1) != 1 or x.stride(0) != x.shape[-1]:
+        x = x.contiguous()
+    return torch.ops.sm121.dense_fp8_linear_rope(x, w, scale, bias, positions.contiguous(), cos_sin_cache,
+                                                 rope_rows, head_size)
 
 
 # ---- weights ---------------------------------------------------------------------------------

@@ -20,6 +20,10 @@ Architecture
     Otherwise ``forward`` is upstream's (``super().forward``), so installing the class changes
     nothing for layers on any other MoE method.
 
+    Opt-in ($VLLM_SM121_ROPE_IN_QKV=1, with ``"dense_weights": "fp8"``): the attention's rotary
+    embedding runs inside the FP8 qkv GEMV (``hooked_attn_forward``, op
+    ``sm121::dense_fp8_linear_rope``) instead of as upstream's ``rotary_emb`` after it.
+
     Both ops are torch custom ops (``direct_register_custom_op``, library ``sm121``) with fake
     implementations, taking the weights as tensor arguments, so vLLM's torch.compile and
     piecewise/full CUDA graphs trace them; outputs are allocated from input shapes only.
@@ -240,6 +244,64 @@ def router_in_norm_unsupported_reason(mlp: torch.nn.Module, hidden_size: int | N
     return None
 
 
+# gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue (opt-in, VLLM_SM121_ROPE_IN_QKV=1,
+# recorded with the other traced choices): the two rotation kernels Inductor makes of upstream's
+# ``rotary_emb(positions, q, k)`` go; decode batches rotate in the GEMV (``kernels.dense``), larger
+# ones right after it in torch (``rope_neox_``). Needs ``"dense_weights": "fp8"`` (the GEMV is the
+# plugin's), upstream's OAIAttention forward and a plain NeoX rotation over whole heads.
+
+
+def _dense_fp8_method():
+    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+
+    return Sm121DenseFp8LinearMethod
+
+
+def rope_in_qkv_unsupported_reason(attn: torch.nn.Module, vllm_config) -> str | None:
+    """Why this attention layer's rotation cannot run in the qkv GEMV (None: it can)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.models.gpt_oss import OAIAttention
+
+    from vllm_sm121.config import parse
+
+    try:
+        dense = parse(getattr(vllm_config, "additional_config", None)).dense_weights
+    except ValueError:
+        dense = None
+    rope = getattr(attn, "rotary_emb", None)
+    qkv = getattr(attn, "qkv_proj", None)
+    checks = (
+        (dense != "fp8", '"dense_weights" is not "fp8" (the rotation runs in the plugin\'s FP8 qkv GEMV)'),
+        (not isinstance(attn, OAIAttention) or type(attn).forward is not OAIAttention.forward,
+         "attention is not upstream's OAIAttention"),
+        (not isinstance(rope, RotaryEmbedding) or type(rope).forward_native is not RotaryEmbedding.forward_native
+         or type(rope).forward_cuda is not RotaryEmbedding.forward_cuda, "rotary embedding is not upstream's plain one"),
+        (rope is not None and (not rope.is_neox_style or rope.rotary_dim != rope.head_size
+                               or rope.head_size != getattr(attn, "head_dim", None)),
+         "rotation not NeoX over whole heads"),
+        (qkv is None or getattr(qkv, "skip_bias_add", False) or getattr(qkv, "bias", None) is None,
+         "qkv projection without its own bias"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Upstream's ``OAIAttention.forward`` with the rotation inside the qkv GEMV
+    (``sm121::dense_fp8_linear_rope``)."""
+    from vllm_sm121.dense.method import dense_fp8_linear_rope
+
+    qkv_proj = attn.qkv_proj
+    qkv = dense_fp8_linear_rope(hidden_states, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, positions,
+                                attn.rotary_emb.cos_sin_cache, attn.q_size + attn.kv_size, attn.head_dim)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    attn_output = attn.attn(q, k, v)
+    output, _ = attn.o_proj(attn_output)
+    return output
+
+
 class Sm121GptOssBlock(TransformerBlock):
     """gpt-oss ``TransformerBlock`` whose post-attention norm feeds MXFP8 to ``Sm121Mxfp4MoEMethod``."""
 
@@ -257,18 +319,32 @@ class Sm121GptOssBlock(TransformerBlock):
 
             init_logger("vllm.sm121").warning_once(
                 "gpt-oss MoE: the fused norm->MXFP8 path is off (%s); the experts quantize bf16 inputs", reason)
+        # The rotation inside the qkv GEMV: decided here from the config (the FP8 conversion of
+        # qkv_proj happens after construction; forward also checks that it did).
+        self.sm121_rope_in_qkv = False
+        if self.sm121_fused_moe and choices.get("rope_in_qkv", False):
+            why = rope_in_qkv_unsupported_reason(self.attn, vllm_config)
+            self.sm121_rope_in_qkv = why is None
+            if why is not None:
+                from vllm.logger import init_logger
+
+                init_logger("vllm.sm121").warning_once(
+                    "gpt-oss: $VLLM_SM121_ROPE_IN_QKV=1 is not applied (%s); the rotation runs as upstream's", why)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.sm121_fused_moe:
             return super().forward(hidden_states, positions, residual)
-        # Self attention: exactly upstream's.
+        # Self attention: upstream's (with the rotation inside the qkv GEMV where sm121_rope_in_qkv).
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.attn(hidden_states, positions)
+        if self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, _dense_fp8_method()):
+            hidden_states = hooked_attn_forward(self.attn, hidden_states, positions)
+        else:
+            hidden_states = self.attn(hidden_states, positions)
         # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8.
         return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp,
                                   self.sm121_router_in_norm)
