@@ -428,3 +428,56 @@ def test_opcheck_qkv_rope_op():
         pos = torch.randint(0, 512, (t,), generator=g)
         torch.library.opcheck(torch.ops.sm121.dense_fp8_linear_rope.default, (x, q8, s8, bias, pos, cache, 192, 64),
                               test_utils=("test_faketensor",))
+
+
+def test_block_with_rope_in_qkv_traces_into_one_graph(env):
+    """With the rotation in the qkv GEMV switched on, the block's forward still compiles into one
+    Dynamo graph (no break: the FP8-method check is a constant), which holds the fused op, and gives
+    the eager numbers. The attention is a stand-in module with OAIAttention's attributes."""
+    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+    from vllm_sm121.kernels import dense as D
+
+    block = build_block(env, "mxfp8")
+    head, hq, hkv, hidden = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["hidden_size"]
+    n = (hq + 2 * hkv) * head
+    g = torch.Generator().manual_seed(3)
+    q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, hidden, generator=g) * 0.3).bfloat16())
+
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant_method = Sm121DenseFp8LinearMethod()
+            self.weight = torch.nn.Parameter(q8, requires_grad=False)
+            self.weight_scale = torch.nn.Parameter(s8, requires_grad=False)
+            self.bias = torch.nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj, self.rotary_emb = Proj(), _gpt_oss_rope(env.cfgs["mxfp8"], head)
+            self.q_size, self.kv_size, self.head_dim = hq * head, hkv * head, head
+
+        def attn(self, q, k, v):
+            return q * 2 + torch.cat((k, v), dim=-1).sum(-1, keepdim=True)
+
+        def o_proj(self, a):
+            return a[:, :hidden] + 1, None
+
+    block.attn = Attn()
+    block.sm121_rope_in_qkv = True
+    x, _, res0 = _inputs(3, seed=2)
+    pos = torch.tensor([5, 900, 77])
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_c, r_c = torch.compile(block.forward, backend=capture, fullgraph=True)(x, pos, res0.clone())
+        out_e, r_e = block.forward(x, pos, res0.clone())
+    assert len(graphs) == 1
+    targets = {str(nd.target).rsplit(".default", 1)[0] for nd in graphs[0].graph.nodes if nd.op == "call_function"}
+    assert "sm121.dense_fp8_linear_rope" in targets, targets
+    assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)

@@ -322,6 +322,7 @@ class Sm121GptOssBlock(TransformerBlock):
         # The rotation inside the qkv GEMV: decided here from the config (the FP8 conversion of
         # qkv_proj happens after construction; forward also checks that it did).
         self.sm121_rope_in_qkv = False
+        self._sm121_dense_fp8 = _dense_fp8_method()  # (a class: forward's check stays a traced constant)
         if self.sm121_fused_moe and choices.get("rope_in_qkv", False):
             why = rope_in_qkv_unsupported_reason(self.attn, vllm_config)
             self.sm121_rope_in_qkv = why is None
@@ -341,7 +342,7 @@ class Sm121GptOssBlock(TransformerBlock):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, _dense_fp8_method()):
+        if self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, self._sm121_dense_fp8):
             hidden_states = hooked_attn_forward(self.attn, hidden_states, positions)
         else:
             hidden_states = self.attn(hidden_states, positions)
