@@ -388,7 +388,7 @@ def _moe_fc1_swiglu_fma_kernel(
     row0 = (expert * (2 * I) + nb * BLOCK_R).to(tl.int32)
     G_RANGE: tl.constexpr = K // 32 if SPLIT == 1 else GPS
     split = tl.program_id(2) if SPLIT > 1 else 0  # (a constant 0 unsplit: the K loop starts at 0)
-    if NT <= 2:  # the bias before the K loop (no round trip after it) where registers allow (EARLY_MAX_NT)
+    if NT <= 2:  # the bias before the K loop (no round trip after it) where registers allow (see WS_AHEAD)
         bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
                                   u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
