@@ -233,3 +233,21 @@ def test_unchecked_launch_matches_checked(kv_dtype, device):
     kw = dict(max_query_len=3, max_seq_len=20, scale=0.125, sinks=torch.randn(4, device=device), k_scale=b.k_scale,
               v_scale=b.v_scale)
     assert torch.equal(paged_attention(*args, **kw), paged_attention(*args, check=False, **kw))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("q_lens,seq_lens", [((1, 0, 1, 1), (5, 0, 17, 33)), ((1,) * 20, tuple(range(3, 23)))],
+                         ids=["padded-request", "20-sequences"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_sequence_lookup_with_empty_requests_and_wide_batches(q_lens, seq_lens, num_splits, device):
+    """Decode batches find each program's sequence by loading the per-sequence lists whole
+    (``_locate``, SEQ_CHUNK 16 and 32 here): a request with no query tokens (vLLM's graph padding)
+    owns no program, and batches wider than 16 sequences take the next list size."""
+    b = make_paged_batch(list(q_lens), list(seq_lens), num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                         device=device)
+    kw = dict(max_query_len=1, max_seq_len=max(seq_lens), scale=0.125)
+    out = paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                          num_splits=num_splits, **kw)
+    ref = paged_attention_torch(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens, **kw)
+    n = int(b.query_start_loc[-1])
+    assert_close(out[:n], ref[:n], what=f"{q_lens} splits {num_splits}")
