@@ -360,6 +360,16 @@ def fused_combine() -> bool:
     return V.env_int(FUSED_COMBINE_ENV, 0) != 0
 
 
+# The TMA GEMVs load each K step's weight scales one step ahead (up to 2 tokens; stop 26, not yet
+# timed); VLLM_SM121_MOE_SCALES_AHEAD=0 (read at call time) loads them inside the step as before,
+# for A/B timing in one run.
+SCALES_AHEAD_ENV = "VLLM_SM121_MOE_SCALES_AHEAD"
+
+
+def scales_ahead() -> bool:
+    return V.env_int(SCALES_AHEAD_ENV, 1) != 0
+
+
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
@@ -432,7 +442,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             TOPK=topk,
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
-            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma, **route_kw,
+            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma, SCALES_AHEAD=scales_ahead(), **route_kw,
             num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
@@ -519,7 +529,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             h.view(torch.uint8).view(torch.int32), h_scale, w_words, w2_scale, bias, topk_ids,
             topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, out, cnt, m, E=e, H=hidden,
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
-            BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
+            BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma, SCALES_AHEAD=scales_ahead(),
             COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h))
     if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))

@@ -85,12 +85,15 @@ for step in "$@"; do
                    grep -v "^INFO\|^WARNING" "$OUT/moef16split_r$cap.log" | tail -n 25; done; (exit $fail) ;;
     quickgpu) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_fp4_kv.py -p no:cacheprovider 2>&1 | tail -n 4 | tee "$OUT/quickgpu.log"  # dense one-token tiles, the two-program KV write
          python3 benchmarks/dense.py --m 1 --providers sm121,cublas_bf16 --out "$OUT/dense_m1.json" 2>&1 | tee "$OUT/dense_m1.log" | grep -E "^(qkv|o |lm_head|device)" ;;
+    # Stop 26's weight scales one step ahead in the TMA GEMVs: off then on in one run (in-graph, the default tiles),
+    # and the norm / router kernels in the same job (load order changed there too).
+    scalesahead) for v in 0 1; do VLLM_SM121_MOE_SCALES_AHEAD=$v python3 benchmarks/moe.py --m "${MOE_M:-1,2,4}" --in-graph 10 --providers sm121_fma,triton --out "$OUT/moe_scales_ahead$v.json" 2>&1 | tee "$OUT/scalesahead$v.log" | grep -v "^INFO\|^WARNING" | tail -n 8; done ;;
     normrouter) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8}" --in-graph 10 --providers sm121_fma --norm-router --out "$OUT/moe_norm_router.json" 2>&1 | tee "$OUT/normrouter.log" | grep -v "^INFO\|^WARNING" | tail -n 14 ;;  # the router inside the norm kernel vs norm + cuBLAS
     # Stop 26's kernel changes (all GPU-untested when made): the kernel tests of every kernel they
     # touched, on the GPU (norms + router, KV write, split combine and decode attention, dense GEMV
     # incl. the rotation epilogue, the MoE FMA GEMVs incl. the TMA tiles, packed products, PDL).
     loadorder) python3 -m pytest -q -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_dense.py -p no:cacheprovider > "$OUT/loadorder.log" 2>&1; r=$?
-         python3 -m pytest -q -m "gpu or interpreter" tests/test_moe.py -k "fma or f16x2 or fused or pdl" -p no:cacheprovider >> "$OUT/loadorder.log" 2>&1 || r=1
+         python3 -m pytest -q -m "gpu or interpreter" tests/test_moe.py -k "fma or f16x2 or fused or pdl or scales" -p no:cacheprovider >> "$OUT/loadorder.log" 2>&1 || r=1
          grep -E "passed|failed|Error|^E " "$OUT/loadorder.log" | tail -n 30; (exit $r) ;;
     routertests) python3 -m pytest -q -s -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_moe_block.py tests/test_moe.py -k "router or gpt_oss_shapes or f16x2 or tiles_on_gpu or matches_reference" -p no:cacheprovider > "$OUT/routertests.log" 2>&1; r=$?
          grep -E "packed fp16|passed|failed|Error|^E " "$OUT/routertests.log" | tail -n 30; (exit $r) ;;  # the fused router and the default packed products on the GPU

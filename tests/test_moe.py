@@ -849,3 +849,40 @@ def test_moe_align_takes_the_torch_ops_above_the_pair_limit(monkeypatch):
     small = torch.randint(0, 8, (2, 4), dtype=torch.int32)
     K.moe_align(small, 8, 16, max_pairs=lim)
     assert len(calls) == 1
+
+
+def test_scales_ahead_switch(monkeypatch):
+    """$VLLM_SM121_MOE_SCALES_AHEAD: on unless 0 (A/B timing of the TMA GEMVs' scale prefetch); other
+    text is an error naming the variable."""
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.delenv(K.SCALES_AHEAD_ENV, raising=False)
+    assert K.scales_ahead() is True
+    monkeypatch.setenv(K.SCALES_AHEAD_ENV, "0")
+    assert K.scales_ahead() is False
+    monkeypatch.setenv(K.SCALES_AHEAD_ENV, "yes")
+    with pytest.raises(ValueError, match=K.SCALES_AHEAD_ENV):
+        K.scales_ahead()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_scales_ahead_changes_no_output_on_gpu(m, monkeypatch):
+    """The weight scales one step ahead (the TMA tiles' default, up to 2 tokens) reorder loads only:
+    the block's output is bit-identical with $VLLM_SM121_MOE_SCALES_AHEAD=0, eager and graph-replayed."""
+    from vllm_sm121.kernels import moe as K
+
+    args = _gpt_oss_layer(128, seed=21)
+    g = torch.Generator().manual_seed(22)
+    xq, xs = K.mxfp8_quantize(torch.randn(m, 2880, generator=g).bfloat16().cuda())
+    logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
+    monkeypatch.setenv(K.SCALES_AHEAD_ENV, "0")
+    ref = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
+    monkeypatch.setenv(K.SCALES_AHEAD_ENV, "1")
+    assert torch.equal(K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma"), ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)

@@ -163,7 +163,7 @@ def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c
 def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0, r1, r2, r3, u1, u2, u3,
                  g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr, PDL: tl.constexpr = False,
-                 w_desc=None, row0=0, TMA: tl.constexpr = 0):
+                 w_desc=None, row0=0, TMA: tl.constexpr = 0, SCALES_AHEAD: tl.constexpr = True):
     """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
     up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
     over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
@@ -196,7 +196,7 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
     # loads, which neither TMA nor Triton's cp.async pipelining (4-byte minimum) can carry, would
     # otherwise stall every step for a memory round trip. Not with TMA at NT >= 3, where the extra
     # registers spill (sm_90a, FC1: 32 -> 96 bytes of stack at NT = 4, 0 -> 32 at NT = 3).
-    WS_AHEAD: tl.constexpr = PREFETCH if TMA == 0 else NT <= 2
+    WS_AHEAD: tl.constexpr = PREFETCH if TMA == 0 else (NT <= 2 and SCALES_AHEAD)
     if WS_AHEAD:
         ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
     if PDL:  # the weights (never written) are in flight: now wait for the previous kernel's activations
@@ -353,6 +353,7 @@ def _moe_fc1_swiglu_fma_kernel(
     E_ROUTE: tl.constexpr = 0,  # ROUTE: router experts (the logits' width; E is this rank's experts)
     E_PAD: tl.constexpr = 1,  # ROUTE: power of two >= E_ROUTE
     HAS_MAP: tl.constexpr = False,  # ROUTE: expert parallelism (expert_map_ptr)
+    SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
         pdl_wait_then_release()
@@ -392,7 +393,7 @@ def _moe_fc1_swiglu_fma_kernel(
         bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
                                   u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
-                                  w_desc=w_desc, row0=row0, TMA=TMA)
+                                  w_desc=w_desc, row0=row0, TMA=TMA, SCALES_AHEAD=SCALES_AHEAD)
     if SPLIT > 1:
         tile = p * tl.num_programs(1) + nb
         last, h0, h1, h2, h3 = _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT, BLOCK_R, SPLIT)
@@ -495,6 +496,7 @@ def _moe_fc2_fma_kernel(
     PDL: tl.constexpr = False,  # a programmatic dependent of FC1: routing + first weights before the wait
     TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
     COMBINE: tl.constexpr = False,  # sum the partials into out_ptr here (no combine launch)
+    SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
 ):
     p = tl.program_id(0)
     if p >= M * TOPK:  # (a program that exits releases the next launch as a wait would)
@@ -525,7 +527,8 @@ def _moe_fc2_fma_kernel(
     y0, y1, y2, y3 = _stream_rows(w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, w_rows, row_ok, t0 * TOPK + s0,
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
                                   I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
-                                  row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA)
+                                  row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA,
+                                  SCALES_AHEAD=SCALES_AHEAD)
     if NT > 2:
         bias, rw0, rw1 = _fc2_epilogue_inputs(bias_ptr, w_rows, split, topk_w_ptr, hit, offs_t, t0, t1, offs_j,
                                               TOPK, SPLIT)
