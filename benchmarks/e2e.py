@@ -166,6 +166,16 @@ class Config:
 
 SM121 = {"attention_backend": "SM121"}
 UP, OFF = {"upstream": True}, {"default": False}
+
+
+def _all_on() -> dict:
+    """SM121 + NVFP4 KV + FP8 dense + whole-model graph mode: a fresh dict per configuration
+    (vLLM records choices into additional_config)."""
+    return {**SM121, "kv_cache_dtype": "nvfp4",
+            "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}}
+
+
+MOE_ON = ("VLLM_SM121_MOE_EXPERIMENTAL", "1")
 # fmt: off
 CONFIGS: tuple[Config, ...] = (
     Config("upstream-default", {}, "stock vLLM selection (FLASH_ATTN = FA3 on sm_90)", **UP),
@@ -184,10 +194,10 @@ CONFIGS: tuple[Config, ...] = (
            env=(("VLLM_SM121_DENSE_W8A8_MIN_M", "5"),)),
     # Off by default: the plugin's MoE is gated off (vllm_sm121.moe.READY) and this opts in.
     Config("sm121-moe", {**SM121}, "SM121 + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
+           env=(MOE_ON,)),
     Config("sm121-fp8dense-moe", {**SM121, "additional_config": {"sm121": {"dense_weights": "fp8"}}},
            "SM121 + FP8 dense weights + the plugin's MoE (experimental opt-in)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
+           env=(MOE_ON,)),
     # Off by default: issue 7's whole-model graph mode, stage A (lm_head + greedy sampling in the
     # graph) + B (steady decode steps skip stock's input preparation); "-a": stage A alone.
     Config("sm121-graph", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
@@ -198,40 +208,32 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-graph-sample", {**SM121, "additional_config": {"sm121": {"cudagraph": "whole_model"}}},
            "SM121, whole-model graph mode + in-graph temperature sampling (opt-in)", **OFF,
            env=(("VLLM_SM121_GRAPH_SAMPLE", "1"),)),
-    Config("sm121-all", {**SM121, "kv_cache_dtype": "nvfp4",
-                         "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+    Config("sm121-all", _all_on(),
            "SM121 + NVFP4 KV + FP8 dense + whole-model graph mode, stages A + B (the MoE stays vLLM's)", **OFF),
-    Config("sm121-all-moe", {**SM121, "kv_cache_dtype": "nvfp4",
-                             "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+    Config("sm121-all-moe", _all_on(),
            "sm121-all + the plugin's MXFP4 x MXFP8 MoE (experimental opt-in)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"),)),
-    Config("sm121-all-moe-pdl", {**SM121, "kv_cache_dtype": "nvfp4",
-                                 "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           env=(MOE_ON,)),
+    Config("sm121-all-moe-pdl", _all_on(),
            "sm121-all-moe + the MoE's FC1 -> FC2 -> combine as programmatic dependent launches (opt-in)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_PDL", "1"))),
-    Config("sm121-all-moe-tma", {**SM121, "kv_cache_dtype": "nvfp4",
-                                 "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           env=(MOE_ON, ("VLLM_SM121_MOE_PDL", "1"))),
+    Config("sm121-all-moe-tma", _all_on(),
            "sm121-all-moe + the MoE GEMVs' weight tiles through a 4-stage TMA pipeline (opt-in, sm_90)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,4"))),
-    Config("sm121-all-moe-fused", {**SM121, "kv_cache_dtype": "nvfp4",
-                                   "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           env=(MOE_ON, ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,4"))),
+    Config("sm121-all-moe-fused", _all_on(),
            "sm121-all-moe + routing inside FC1 and the combine inside FC2 (2 MoE launches per layer, opt-in)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
+           env=(MOE_ON, ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"))),
-    Config("sm121-all-moe-f16x2", {**SM121, "kv_cache_dtype": "nvfp4",
-                                   "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+    Config("sm121-all-moe-f16x2", _all_on(),
            "sm121-all-moe-fused with the packed fp16 products pinned on (their default on a GPU)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
+           env=(MOE_ON, ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
-    Config("sm121-all-moe-rope", {**SM121, "kv_cache_dtype": "nvfp4",
-                                  "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+    Config("sm121-all-moe-rope", _all_on(),
            "sm121-all-moe + gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue (opt-in)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_ROPE_IN_QKV", "1"))),
-    Config("sm121-all-moe-exact", {**SM121, "kv_cache_dtype": "nvfp4",
-                                   "additional_config": {"sm121": {"dense_weights": "fp8", "cudagraph": "whole_model"}}},
+           env=(MOE_ON, ("VLLM_SM121_ROPE_IN_QKV", "1"))),
+    Config("sm121-all-moe-exact", _all_on(),
            "sm121-all-moe with the exact fp32 products and the router as its own GEMM (the defaults before "
            "packed fp16 products and the router inside the norm)", **OFF,
-           env=(("VLLM_SM121_MOE_EXPERIMENTAL", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "0"),
+           env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "0"),
                 ("VLLM_SM121_ROUTER_IN_NORM", "0"))),
 )
 # fmt: on

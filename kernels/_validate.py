@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from vllm_sm121.envs import env_int  # noqa: F401 (the launchers read their switches with V.env_int)
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -76,13 +77,3 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return t
 
 
-def env_int(name: str, default: int) -> int:
-    """Integer environment variable ``name`` (read now), ``default`` when unset or blank; any
-    other non-integer text is an error naming the variable."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"${name}={text!r}: expected an integer") from None

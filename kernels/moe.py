@@ -442,7 +442,8 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             TOPK=topk,
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
-            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma, SCALES_AHEAD=scales_ahead(), **route_kw,
+            LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
+            SCALES_AHEAD=scales_ahead(), **route_kw,
             num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
@@ -529,7 +530,8 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             h.view(torch.uint8).view(torch.int32), h_scale, w_words, w2_scale, bias, topk_ids,
             topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, out, cnt, m, E=e, H=hidden,
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
-            BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma, SCALES_AHEAD=scales_ahead(),
+            BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
+            SCALES_AHEAD=scales_ahead(),
             COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h))
     if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))

@@ -11,8 +11,9 @@ naming the option and what is supported -- never a silent fallback to stock beha
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
+
+from .envs import env_int
 
 SECTION = "sm121"
 
@@ -120,13 +121,7 @@ ROPE_IN_QKV_ENV = "VLLM_SM121_ROPE_IN_QKV"
 
 
 def _env_flag(name: str, default: bool) -> bool:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text) != 0
-    except ValueError:
-        raise ValueError(f"${name}={text!r}: expected an integer (0 or 1)") from None
+    return env_int(name, int(default)) != 0
 
 
 def traced_env_choices() -> dict[str, Any]:

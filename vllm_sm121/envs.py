@@ -18,6 +18,18 @@ environment_variables = {
 }
 
 
+def env_int(name: str, default: int) -> int:
+    """Integer environment variable ``name`` (read now), ``default`` when unset or blank; any
+    other non-integer text is an error naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${name}={text!r}: expected an integer") from None
+
+
 def __getattr__(name: str):
     if name in environment_variables:
         value = environment_variables[name]()

@@ -251,12 +251,6 @@ def router_in_norm_unsupported_reason(mlp: torch.nn.Module, hidden_size: int | N
 # plugin's), upstream's OAIAttention forward and a plain NeoX rotation over whole heads.
 
 
-def _dense_fp8_method():
-    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
-
-    return Sm121DenseFp8LinearMethod
-
-
 def rope_in_qkv_unsupported_reason(attn: torch.nn.Module, vllm_config) -> str | None:
     """Why this attention layer's rotation cannot run in the qkv GEMV (None: it can)."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -322,7 +316,9 @@ class Sm121GptOssBlock(TransformerBlock):
         # The rotation inside the qkv GEMV: decided here from the config (the FP8 conversion of
         # qkv_proj happens after construction; forward also checks that it did).
         self.sm121_rope_in_qkv = False
-        self._sm121_dense_fp8 = _dense_fp8_method()  # (a class: forward's check stays a traced constant)
+        from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+
+        self._sm121_dense_fp8 = Sm121DenseFp8LinearMethod  # (a class: forward's check stays a traced constant)
         if self.sm121_fused_moe and choices.get("rope_in_qkv", False):
             why = rope_in_qkv_unsupported_reason(self.attn, vllm_config)
             self.sm121_rope_in_qkv = why is None
