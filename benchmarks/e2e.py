@@ -220,7 +220,8 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe + the MoE GEMVs' weight tiles through a 4-stage TMA pipeline (opt-in, sm_90)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FMA_TILES", "64,256,32,256,4,4"))),
     Config("sm121-all-moe-fused", _all_on(),
-           "sm121-all-moe + routing inside FC1 and the combine inside FC2 (2 MoE launches per layer, opt-in)", **OFF,
+           "sm121-all-moe + routing inside FC1 and the combine inside FC2 for every decode batch of <= 4 tokens "
+           "(the default fuses them at one token only)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"))),
     Config("sm121-all-moe-f16x2", _all_on(),
@@ -228,8 +229,16 @@ CONFIGS: tuple[Config, ...] = (
            env=(MOE_ON, ("VLLM_SM121_MOE_FUSED_ROUTE", "1"),
                 ("VLLM_SM121_MOE_FUSED_COMBINE", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
     Config("sm121-all-moe-rope", _all_on(),
-           "sm121-all-moe + gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue (opt-in)", **OFF,
+           "sm121-all-moe with gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue pinned on (the "
+           "default since stop 27)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_ROPE_IN_QKV", "1"))),
+    # A/B against the defaults that stop 27 switched on: the rotation inside the qkv GEMV, the
+    # MoE's routing / combine inside FC1 / FC2 at one token, the attention's split merge in-kernel.
+    Config("sm121-all-moe-stop26", _all_on(),
+           "sm121-all-moe with stop 26's defaults (rotation, MoE routing and combine, attention split merge as "
+           "their own launches)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_ROPE_IN_QKV", "0"), ("VLLM_SM121_MOE_FUSED_ROUTE", "0"),
+                ("VLLM_SM121_MOE_FUSED_COMBINE", "0"), ("VLLM_SM121_ATTN_FUSED_COMBINE", "0"))),
     Config("sm121-all-moe-exact", _all_on(),
            "sm121-all-moe with the exact fp32 products and the router as its own GEMM (the defaults before "
            "packed fp16 products and the router inside the norm)", **OFF,

@@ -335,29 +335,38 @@ def fma_maxnreg(t: torch.Tensor) -> dict:
     return dict(maxnreg=n)
 
 
-# Routing inside the FMA FC1 (opt-in, VLLM_SM121_MOE_FUSED_ROUTE=1, read at call time): for M <= 4
-# tokens with MXFP8 activations (the fused norm's), every FC1 program routes the tokens itself
+# Routing inside the FMA FC1 ($VLLM_SM121_MOE_FUSED_ROUTE, read at call time): for M <= 4 tokens
+# with MXFP8 activations (the fused norm's), every FC1 program routes the tokens itself
 # (``_moe_route.route_rows``, the routing kernel's code: the same ids and weights) and one of them
 # writes ids and weights for FC2, so the routing launch goes. Not with VLLM_SM121_MOE_PDL (FC2 would
 # read the routing before waiting for FC1, which now writes it). H200, in-graph, MXFP8 input
 # (docs/logs/moefused-h200-556381a-beb4e57.log): ~0.5 us faster at M = 1, slower with more tokens
-# (every program routes every token: 95.4 vs 88.0 us at M = 2).
+# (every program routes every token: 95.4 vs 88.0 us at M = 2). Unset: on at one token (without
+# PDL), off with more; 1: every M <= 4; 0: off. The default since stop 27: gpt-oss-120b batch 1
+# on an H200 (0f84732) ran 408.6 tok/s with both fusions vs 386.0 without.
 FUSED_ROUTE_ENV = "VLLM_SM121_MOE_FUSED_ROUTE"
 
 
-def fused_route() -> bool:
-    return V.env_int(FUSED_ROUTE_ENV, 0) != 0  # (moe_fc1_swiglu_fma refuses it together with PDL)
+def fused_route(m: int, t: torch.Tensor) -> bool:
+    """Whether FC1 routes ``m`` tokens itself ($VLLM_SM121_MOE_FUSED_ROUTE; see above)."""
+    v = V.env_int(FUSED_ROUTE_ENV, -1)
+    if v < 0:
+        return m == 1 and not moe_pdl(t)
+    return v != 0  # (moe_fc1_swiglu_fma refuses it together with PDL)
 
 
-# The combine inside FC2 (opt-in, VLLM_SM121_MOE_FUSED_COMBINE=1, read at call time): the last FC2
-# program of each row tile to finish sums the partials in the combine kernel's order
+# The combine inside FC2 ($VLLM_SM121_MOE_FUSED_COMBINE, read at call time): the last FC2 program
+# of each row tile to finish sums the partials in the combine kernel's order
 # (``_moe_fma._combine_when_last``: bit-identical output), so the combine launch goes. Same run:
 # ~1 us faster at M = 1 (41.4 vs 42.2 us), neutral at M = 2, slower at M = 4 (172.2 vs 167.9 us).
+# Unset: on at one token, off with more; 1: every M <= 4; 0: off.
 FUSED_COMBINE_ENV = "VLLM_SM121_MOE_FUSED_COMBINE"
 
 
-def fused_combine() -> bool:
-    return V.env_int(FUSED_COMBINE_ENV, 0) != 0
+def fused_combine(m: int) -> bool:
+    """Whether FC2 combines ``m`` tokens itself ($VLLM_SM121_MOE_FUSED_COMBINE; see above)."""
+    v = V.env_int(FUSED_COMBINE_ENV, -1)
+    return m == 1 if v < 0 else v != 0
 
 
 # The TMA GEMVs load each K step's weight scales one step ahead (up to 2 tokens; stop 26, not yet
@@ -522,7 +531,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     pdl = moe_pdl(h)
     tma = _tma_stages(h, stages)
     n_tiles = -(-hidden // rows)
-    combine = fused_combine()
+    combine = fused_combine(m)
     cnt = split_counters(h.device, n_tiles, "fc2") if combine and m else part
     if m:
         w_words = w2.view(torch.int32)
@@ -936,7 +945,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     if path == "auto":
         path = select_path(m)
     # routing inside FC1 (opt-in, one chunk of MXFP8 tokens): FC1 fills topk_w / topk_ids
-    fuse = path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16 and fused_route()
+    fuse = path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16 and fused_route(m, x)
     # otherwise, every path: routing and the MXFP8 quantization of bf16 x in one launch (not per FC1 program)
     if fuse:
         topk_w = torch.empty(m, topk, dtype=torch.float32, device=x.device)

@@ -6,7 +6,9 @@ Architecture
     masking at absolute positions, and per-call hyperparameters (scale, sliding window,
     logits soft-cap, attention sinks, fp8 KV scales), so layers that differ in any of them
     share one backend. A split-KV (flash-decoding) mode cuts each sequence's KV range in
-    ``num_splits`` parts for long contexts at small batch, merged by a second kernel.
+    ``num_splits`` parts for long contexts at small batch, merged by a second kernel or, by default
+    where the workspace has arrival counters, by each query tile's last split program
+    (``$VLLM_SM121_ATTN_FUSED_COMBINE``, below).
 
 Cache layout
     ``key_cache`` / ``value_cache``: ``[num_blocks, num_kv_heads, block_size, head_size]``
@@ -82,6 +84,18 @@ NVFP4_ASM = True
 # NVFP4_ASM off) have since passed on an H200 (commit 09758ed), so that disagreement is
 # unexplained; off because slower. Needs 4-byte aligned page rows (checked per call).
 NVFP4_WORDS = False
+# The split-KV merge inside the attention kernel ($VLLM_SM121_ATTN_FUSED_COMBINE, read at call time;
+# default 1, 0: the separate ``_combine_splits_kernel`` launch): the split program of each query
+# tile that finishes last (an acq_rel arrival counter, as the MoE's fused combine) merges the
+# tile's partials, reading only the splits that saw KV, so a graph captured for long contexts (64
+# splits at 4k for gpt-oss-120b's full layers) merges a short context's few. Needs the workspace's
+# counters (``SplitWorkspace.cnt``). One launch fewer per layer: the stop-25 120b profile had the
+# separate merge at ~1.5 us per layer.
+ATTN_FUSED_COMBINE_ENV = "VLLM_SM121_ATTN_FUSED_COMBINE"
+
+
+def attn_fused_combine() -> bool:
+    return V.env_int(ATTN_FUSED_COMBINE_ENV, 1) != 0
 
 
 @dataclasses.dataclass
@@ -90,6 +104,13 @@ class SplitWorkspace:
 
     acc: torch.Tensor  # [max_tokens, Hq, num_splits, head_pad] fp32
     ml: torch.Tensor  # [max_tokens, Hq, num_splits, 2] fp32
+    # int32 arrival counters of the fused merge, zero between launches (the kernel resets them);
+    # one per (query tile, KV head): 2 * max_tokens * Hq covers any grid. None: the merge launch.
+    cnt: torch.Tensor | None = None
+
+    @staticmethod
+    def counters_needed(num_tokens: int, num_q_heads: int) -> int:
+        return 2 * num_tokens * num_q_heads
 
     @classmethod
     def allocate(cls, max_tokens: int, num_q_heads: int, num_splits: int, head_size: int, device) -> "SplitWorkspace":
@@ -97,18 +118,22 @@ class SplitWorkspace:
         return cls(
             acc=torch.empty(max_tokens, num_q_heads, num_splits, pad, dtype=torch.float32, device=device),
             ml=torch.empty(max_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=device),
+            cnt=torch.zeros(cls.counters_needed(max_tokens, num_q_heads), dtype=torch.int32, device=device),
         )
 
     @classmethod
     def view_of(cls, acc_flat: torch.Tensor, ml_flat: torch.Tensor, num_tokens: int, num_q_heads: int,
-                num_splits: int, head_size: int) -> "SplitWorkspace | None":
-        """Views at the start of persistent flat buffers (same addresses every step), or None if too small."""
+                num_splits: int, head_size: int, cnt_flat: torch.Tensor | None = None) -> "SplitWorkspace | None":
+        """Views at the start of persistent flat buffers (same addresses every step), or None if too
+        small; the counters only where ``cnt_flat`` holds enough (else the merge is a launch)."""
         pad = max(16, _next_pow2(head_size))
         n = num_tokens * num_q_heads * num_splits
         if n * pad > acc_flat.numel() or n * 2 > ml_flat.numel():
             return None
+        need = cls.counters_needed(num_tokens, num_q_heads)
         return cls(acc=acc_flat[: n * pad].view(num_tokens, num_q_heads, num_splits, pad),
-                   ml=ml_flat[: n * 2].view(num_tokens, num_q_heads, num_splits, 2))
+                   ml=ml_flat[: n * 2].view(num_tokens, num_q_heads, num_splits, 2),
+                   cnt=cnt_flat[:need] if cnt_flat is not None and cnt_flat.numel() >= need else None)
 
 
 def _sm_count(q: torch.Tensor, family: str) -> int:
@@ -335,13 +360,17 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         part_acc = part_ml = dummy
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    fused = num_splits > 1 and workspace.cnt is not None and attn_fused_combine()
+    if fused and (workspace.cnt.dtype != torch.int32 or workspace.cnt.numel() < grid[0] * grid[1]):
+        raise ValueError(f"workspace.cnt must be int32 with >= {grid[0] * grid[1]} counters (one per query tile "
+                         f"and KV head), got {workspace.cnt.dtype} [{workspace.cnt.numel()}]")
     # Decode batches of up to SEQ_CHUNK_MAX sequences find their sequence in one memory round trip
     # (_locate); a power of two >= 16 (few specialisations). Prefill keeps the binary search: its
     # programs amortize it, and the lookup costs the prefill tile registers (sm_90a: 157 -> 206, one
     # program fewer per SM; decode 92 -> 112, where shared memory already allows only 2 per SM).
     seq_chunk = max(16, _next_pow2(num_seqs)) if kind.startswith("decode") and num_seqs <= SEQ_CHUNK_MAX else 0
     _paged_attention_kernel[grid](
-        out, part_acc, part_ml, q, key_cache, value_cache, k_bs, v_bs,
+        out, part_acc, part_ml, workspace.cnt if fused else dummy, q, key_cache, value_cache, k_bs, v_bs,
         block_table, seq_lens, query_start_loc, sinks_t, k_scale_t, v_scale_t,
         float(scale), float(softcap or 0.0), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -359,10 +388,10 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
-        and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk,
+        and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml, query_start_loc, sinks_t, v_scale_t,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),

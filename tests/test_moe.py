@@ -457,8 +457,9 @@ def test_fused_routing_equals_the_routing_launch_on_gpu(m, env, monkeypatch):
     g = torch.Generator().manual_seed(12)
     xq, xs = K.mxfp8_quantize(torch.randn(m, 2880, generator=g).bfloat16().cuda())
     logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
-    for var in (K.PDL_ENV, K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(K.PDL_ENV, raising=False)
+    for var in (K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV):  # the separate launches (unset fuses at M = 1)
+        monkeypatch.setenv(var, "0")
     ref = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
     if "ROUTE" in env:
         w_ref, ids_ref = K.moe_route(logits, 4)

@@ -396,20 +396,21 @@ def test_rope_in_qkv_feeds_attention_what_upstream_rotation_gives(env, m):
 
 
 def test_rope_in_qkv_switch_and_reasons(env, monkeypatch):
-    """Opt-in ($VLLM_SM121_ROPE_IN_QKV=1, a traced choice); refused with a reason without FP8 dense
-    weights or on another attention class (the stand-in here), and then the block keeps upstream's."""
+    """On by default ($VLLM_SM121_ROPE_IN_QKV, a traced choice; 0 turns it off); refused with a reason
+    without FP8 dense weights or on another attention class (the stand-in here), and then the block
+    keeps upstream's."""
     from vllm_sm121 import config as C
 
     monkeypatch.delenv(C.ROPE_IN_QKV_ENV, raising=False)
-    assert C.traced_env_choices()["rope_in_qkv"] is False
+    assert C.traced_env_choices()["rope_in_qkv"] is True
     block = build_block(env, "mxfp8")
     assert block.sm121_rope_in_qkv is False
     cfg = env.cfgs["mxfp8"]
     assert "dense_weights" in hook.rope_in_qkv_unsupported_reason(block.attn, cfg)
     fp8 = types.SimpleNamespace(additional_config={"sm121": {"dense_weights": "fp8"}})
     assert "OAIAttention" in hook.rope_in_qkv_unsupported_reason(block.attn, fp8)
-    monkeypatch.setenv(C.ROPE_IN_QKV_ENV, "1")
-    assert C.traced_env_choices()["rope_in_qkv"] is True
+    monkeypatch.setenv(C.ROPE_IN_QKV_ENV, "0")
+    assert C.traced_env_choices()["rope_in_qkv"] is False
 
 
 def test_opcheck_qkv_rope_op():

@@ -182,8 +182,9 @@ def test_fused_routing_and_combine_equal_their_launches(device, m, fused, ep, ti
     if ep:
         cases += [([w.to(device) for w in shard], emap.to(device)) for shard, emap in ep_shards(weights, 2)][:1]
     for (ws, emap), tile in [(c, t) for c in cases for t in tiles]:
-        for env in (K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV, K.FMA_TILES_ENV):
-            monkeypatch.delenv(env, raising=False)
+        monkeypatch.delenv(K.FMA_TILES_ENV, raising=False)
+        for env in (K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV):  # the separate launches (unset fuses at M = 1)
+            monkeypatch.setenv(env, "0")
         if tile:
             monkeypatch.setenv(K.FMA_TILES_ENV, tile)
         plain = K.moe_block(xq, logits.to(device), *ws, TOPK, x_scale=xs, path="fma", expert_map=emap)
@@ -205,3 +206,21 @@ def test_fused_routing_and_combine_equal_their_launches(device, m, fused, ep, ti
         monkeypatch.setattr(K, "moe_pdl", lambda t: {"PDL": True})
         with pytest.raises(ValueError, match="VLLM_SM121_MOE_PDL"):
             K.moe_block(xq, logits.to(device), *dev, TOPK, x_scale=xs, path="fma")
+
+
+def test_fused_routing_and_combine_defaults(monkeypatch):
+    """Unset, both fusions apply to one token only (measured faster there, slower with more), and
+    the fused routing stays off under PDL (it would conflict); "1" / "0" force them for M <= 4."""
+    t = torch.zeros(1)
+    for env in (K.FUSED_ROUTE_ENV, K.FUSED_COMBINE_ENV, K.PDL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert [K.fused_route(m, t) for m in (1, 2, 4)] == [True, False, False]
+    assert [K.fused_combine(m) for m in (1, 2, 4)] == [True, False, False]
+    monkeypatch.setattr(K, "moe_pdl", lambda t: {"PDL": True})
+    assert not K.fused_route(1, t)
+    monkeypatch.undo()
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv(K.FUSED_ROUTE_ENV, value)
+        monkeypatch.setenv(K.FUSED_COMBINE_ENV, value)
+        assert [K.fused_route(m, t) for m in (1, 4)] == [want, want]
+        assert [K.fused_combine(m) for m in (1, 4)] == [want, want]

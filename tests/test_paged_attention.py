@@ -9,6 +9,7 @@ soft-cap none/30; scale 1/8 and 1/11.3; sinks none/random; KV bf16/fp8; split-KV
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 
 import pytest
@@ -131,6 +132,81 @@ def _gpu_cases() -> list[Case]:
 @pytest.mark.parametrize("case", _gpu_cases(), ids=str)
 def test_paged_attention_gpu(case):
     run_case(case, "cuda")
+
+
+class _NotLaunched:
+    """Stands in for a kernel whose launch is a test failure."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the split merge was launched")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("q_lens,seq_lens,splits,window,kv_dtype,sinks", [
+    ((1, 1, 1), (1, 200, 40), 8, None, torch.bfloat16, True),  # short contexts: most splits see no KV
+    ((1, 1), (300, 7), 4, 16, FP8, True),  # window: the live splits cover only the window's tiles
+    ((3, 2), (90, 64), 2, None, torch.bfloat16, False),  # spec-verify rows
+    ((0, 1), (5, 70), 4, None, torch.bfloat16, True),  # an empty (padded) request
+    ((1, 1), (1100, 90), 64, None, torch.bfloat16, True),  # gpt-oss-120b's graph split count: all live / few
+])
+def test_fused_split_merge_equals_the_merge_launch(device, q_lens, seq_lens, splits, window, kv_dtype, sinks,
+                                                   monkeypatch):
+    """By default the split program of each query tile that finishes last merges the partials (no
+    ``_combine_splits_kernel`` launch): the same output as the merge launch (fp32 sums in another
+    order, so to rounding), the reference's within the kernel's tolerance, padding rows untouched,
+    and every arrival counter back at 0 for the next launch (a replayed graph)."""
+    PA = importlib.import_module("vllm_sm121.kernels.paged_attention")  # the module (the package exports the function)
+
+    b = make_paged_batch(list(q_lens), list(seq_lens), num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                         kv_dtype=kv_dtype, sliding_window=window, pad_tokens=2, device=device, seed=3)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(4)).to(device) if sinks else None
+    kw = dict(scale=0.125, sliding_window=window, sinks=sink, k_scale=b.k_scale, v_scale=b.v_scale)
+    ws = SplitWorkspace.allocate(b.q.shape[0], 8, splits, 64, device)
+    sentinel = torch.full_like(b.q, 7.0)
+
+    def run():
+        return paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                               max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, out=sentinel.clone(),
+                               num_splits=splits, workspace=ws, **kw)
+
+    monkeypatch.setenv(PA.ATTN_FUSED_COMBINE_ENV, "0")
+    launched = run()
+    monkeypatch.delenv(PA.ATTN_FUSED_COMBINE_ENV)
+    with monkeypatch.context() as mp:
+        mp.setattr(PA, "_combine_splits_kernel", _NotLaunched())
+        fused = run()
+        assert int(ws.cnt.abs().sum()) == 0
+        fused_again = run()  # the counters were reset: a second launch merges again
+    n = int(b.query_start_loc[-1])
+    torch.testing.assert_close(fused[:n].float(), launched[:n].float(), rtol=1e-2, atol=2e-3)
+    assert torch.equal(fused, fused_again)
+    assert torch.equal(fused[n:], sentinel[n:]), "padding rows were written"
+    ref = paged_attention_torch(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens, **kw)
+    assert_close(fused[:n], ref[:n], what="fused merge")
+    # A workspace without counters takes the merge launch; wrong counters are refused by name.
+    no_cnt = SplitWorkspace(acc=ws.acc, ml=ws.ml)
+    out = paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                          max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, num_splits=splits,
+                          workspace=no_cnt, **kw)
+    torch.testing.assert_close(out[:n].float(), launched[:n].float(), rtol=0, atol=0)
+    bad = SplitWorkspace(acc=ws.acc, ml=ws.ml, cnt=ws.cnt.float())
+    with pytest.raises(ValueError, match="workspace.cnt must be int32"):
+        paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                        max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, num_splits=splits,
+                        workspace=bad, **kw)
+
+
+def test_fused_split_merge_switch(monkeypatch):
+    """$VLLM_SM121_ATTN_FUSED_COMBINE: on unless 0; anything but an integer is refused by name."""
+    PA = importlib.import_module("vllm_sm121.kernels.paged_attention")  # the module (the package exports the function)
+
+    monkeypatch.delenv(PA.ATTN_FUSED_COMBINE_ENV, raising=False)
+    assert PA.attn_fused_combine()
+    monkeypatch.setenv(PA.ATTN_FUSED_COMBINE_ENV, "0")
+    assert not PA.attn_fused_combine()
+    monkeypatch.setenv(PA.ATTN_FUSED_COMBINE_ENV, "yes")
+    with pytest.raises(ValueError, match="VLLM_SM121_ATTN_FUSED_COMBINE"):
+        PA.attn_fused_combine()
 
 
 @pytest.mark.gpu

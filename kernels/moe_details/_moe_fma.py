@@ -51,6 +51,7 @@ first weights).
 import triton
 import triton.language as tl
 
+from .._sync import last_to_arrive as _last_to_arrive
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, to_bf16_rne
 from ._moe_route import route_rows
 from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens, routed_tokens_of
@@ -259,21 +260,6 @@ def _fc1_epilogue(h, use, tok, slot, bias, nb, out_ptr, out_scale_ptr, I: tl.con
     tl.store(out_ptr + out_row * I + offs_n[None, :], codes, mask=use & (offs_n[None, :] < I))
     offs_s = nb * (BLOCK_R // 64) + tl.arange(0, BLOCK_R // 64)
     tl.store(out_scale_ptr + out_row * (I // 32) + offs_s[None, :], scales, mask=use & (offs_s[None, :] < I // 32))
-
-
-@triton.jit
-def _last_to_arrive(cnt_ptr, idx, total):
-    """Counts this program in on counter ``idx`` after its stores; True for the one that makes it
-    ``total``, which also resets it to 0 for the next launch (a CUDA graph replays the launch). A CTA
-    barrier orders every thread's stores before one acq_rel atomic at GPU scope (the release
-    publishes them, and the last arrival's acquire sees every other program's); the last program
-    then reads the others' stores with ``.cg`` loads (L2: never a stale L1 line)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + idx, 1, sem="acq_rel", scope="gpu")
-    last = arrived == total - 1
-    if last:
-        tl.store(cnt_ptr + idx, 0)
-    return last
 
 
 @triton.jit

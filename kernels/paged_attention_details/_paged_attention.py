@@ -4,7 +4,9 @@ One kernel body serves every batch kind vLLM sends (prefill chunks, decode, mixe
 a program owns BLOCK_Q query tokens of one sequence times the NUM_Q_PER_KV query heads that
 share one KV head (GQA packing: BLOCK_M = BLOCK_Q * NUM_Q_PER_KV rows), and streams that
 sequence's KV pages through an online softmax. With NUM_SPLITS > 1 (flash-decoding) the KV range
-is cut in NUM_SPLITS parts whose partial results ``_combine_splits_kernel`` merges.
+is cut in NUM_SPLITS parts whose partial results ``_combine_splits_kernel`` merges, or, with
+FUSED_COMBINE, the split program of each query tile that finishes last (``_merge_splits``: no
+second launch).
 
 Instructions (read off the PTX, see tests/test_aot_compile.py): the two tl.dot become
 ``mma.sync.aligned.m16n8k16`` bf16/fp16 on sm_121a (wgmma on sm_90a for BLOCK_M >= 64); KV pages
@@ -14,6 +16,8 @@ so no TMA).
 
 import triton
 import triton.language as tl
+
+from .._sync import last_to_arrive
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 
@@ -198,6 +202,7 @@ def _paged_attention_kernel(
     out_ptr,  # [T, Hq, HEAD_SIZE]                (NUM_SPLITS == 1)
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1)
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32: running max (log2 domain), sum
+    cnt_ptr,  # FUSED_COMBINE: [grid0 * Hkv] int32 arrival counters, zero before and after each launch
     q_ptr,  # [T, Hq, HEAD_SIZE]
     k_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE] (KV_NVFP4: uint8 [.., HEAD_SIZE // 2] data)
     v_cache_ptr,  # [num_blocks, Hkv, BLOCK_SIZE, HEAD_SIZE] (KV_NVFP4: uint8 [.., HEAD_SIZE // 2] data)
@@ -246,6 +251,7 @@ def _paged_attention_kernel(
     NVFP4_ASM: tl.constexpr,  # nvfp4, bit-trick decode: 4 bytes per inline-PTX block (not for the interpreter)
     NVFP4_WORDS: tl.constexpr,  # nvfp4: 32-bit word loads, e4m3-byte decode (inline PTX with NVFP4_ASM), V as V^T
     SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
+    FUSED_COMBINE: tl.constexpr = False,  # NUM_SPLITS > 1: the tile's last split merges (no combine launch)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -305,6 +311,7 @@ def _paged_attention_kernel(
     tile_hi = tl.cdiv(kv_end, TILE_N)
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        live_splits = tl.cdiv(tile_hi - tile_lo, tl.maximum(per_split, 1))  # the others see no KV
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
@@ -459,6 +466,47 @@ def _paged_attention_kernel(
         )
         tl.store(part_ml_ptr + row_split * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row_split * 2 + 1, l_i, mask=row_ok)
+        if FUSED_COMBINE:
+            if last_to_arrive(cnt_ptr, q_block_global * tl.num_programs(1) + kv_head, NUM_SPLITS):
+                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, row_split - split,
+                              q_rows, q_head, row_ok, d_ok, live_splits, stride_o_t, stride_o_h, BLOCK_M, HEAD_PAD,
+                              NUM_SPLITS, USE_SINKS, KV_FP8 or KV_NVFP4)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, row0, q_rows, q_head, row_ok, d_ok,
+                  live_splits, stride_o_t, stride_o_h, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, USE_SINKS: tl.constexpr, SCALED: tl.constexpr):
+    """``_combine_splits_kernel``'s merge for the BLOCK_M rows of one query tile, run by the tile's
+    split program that finished last (``row0``: each row's split-0 partial). Splits past
+    ``live_splits`` saw no KV (m = -inf, l = 0, acc = 0): their partials are not read, so a short
+    context costs a short merge whatever NUM_SPLITS the launch (or a captured graph) fixed."""
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    live = row_ok[:, None] & (offs_s[None, :] < live_splits)
+    ml = (row0[:, None] + offs_s[None, :]) * 2
+    m = tl.load(part_ml_ptr + ml, mask=live, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_ml_ptr + ml + 1, mask=live, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, axis=1)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * RCP_LN2
+        m_max = tl.maximum(m_max, sink)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.sum(l * tl.exp2(m - m_use[:, None]), axis=1)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_use)
+    o = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        live_s = row_ok & (s < live_splits)
+        m_s = tl.load(part_ml_ptr + (row0 + s) * 2, mask=live_s, other=float("-inf"), cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=live_s[:, None],
+                        other=0.0, cache_modifier=".cg")
+        o += acc_s * tl.exp2(m_s - m_use)[:, None]
+    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    if SCALED:
+        o = o * tl.load(v_scale_ptr)
+    tl.store(out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit

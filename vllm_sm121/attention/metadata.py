@@ -64,6 +64,7 @@ class SM121AttentionMetadata:
     num_splits: dict  # sliding window (None: full attention) -> split-KV count for this batch
     split_acc: torch.Tensor  # persistent flat split-KV buffers
     split_ml: torch.Tensor
+    split_cnt: torch.Tensor | None = None  # int32 arrival counters (the fused split merge), zero between launches
     decode_part: DecodePart | None = None  # mixed batches: the decode rows' own launch
 
     def splits_and_workspace(self, num_q_heads: int, head_size: int, sliding_window: int | None):
@@ -78,7 +79,8 @@ class SM121AttentionMetadata:
     def _workspace(self, splits: int, num_tokens: int, num_q_heads: int, head_size: int):
         if splits == 1:
             return 1, None
-        ws = SplitWorkspace.view_of(self.split_acc, self.split_ml, num_tokens, num_q_heads, splits, head_size)
+        ws = SplitWorkspace.view_of(self.split_acc, self.split_ml, num_tokens, num_q_heads, splits, head_size,
+                                    self.split_cnt)
         return (splits, ws) if ws is not None else (1, None)
 
 
@@ -113,6 +115,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         rows = WORKSPACE_TOKEN_SPLITS * self.num_q_heads
         self._acc = torch.empty(rows * self.head_pad, dtype=torch.float32, device=device)
         self._ml = torch.empty(rows * 2, dtype=torch.float32, device=device)
+        self._cnt = torch.zeros(rows, dtype=torch.int32, device=device)  # the fused merge's arrival counters
 
     def _num_splits(self, num_tokens, num_reqs, max_query_len, max_seq_len) -> dict:
         out = {}
@@ -173,6 +176,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
             num_splits=num_splits,
             split_acc=self._acc,
             split_ml=self._ml,
+            split_cnt=self._cnt,
             # a captured graph keeps one launch structure for every replay: no decode part there
             decode_part=None if capture else self._decode_part(cm),
         )

@@ -54,6 +54,8 @@ upstream file: ``vllm/model_executor/models/gpt_oss.py`` (``TransformerBlock``, 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.library import Library
 from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
@@ -244,8 +246,8 @@ def router_in_norm_unsupported_reason(mlp: torch.nn.Module, hidden_size: int | N
     return None
 
 
-# gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue (opt-in, VLLM_SM121_ROPE_IN_QKV=1,
-# recorded with the other traced choices): the two rotation kernels Inductor makes of upstream's
+# gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue (default on, VLLM_SM121_ROPE_IN_QKV=0
+# turns it off; recorded with the other traced choices): the two rotation kernels Inductor makes of upstream's
 # ``rotary_emb(positions, q, k)`` go; decode batches rotate in the GEMV (``kernels.dense``), larger
 # ones right after it in torch (``rope_neox_``). Needs ``"dense_weights": "fp8"`` (the GEMV is the
 # plugin's), upstream's OAIAttention forward and a plain NeoX rotation over whole heads.
@@ -322,11 +324,15 @@ class Sm121GptOssBlock(TransformerBlock):
         if self.sm121_fused_moe and choices.get("rope_in_qkv", False):
             why = rope_in_qkv_unsupported_reason(self.attn, vllm_config)
             self.sm121_rope_in_qkv = why is None
-            if why is not None:
+            if why is not None:  # a warning where asked for explicitly; the default just notes it
                 from vllm.logger import init_logger
 
-                init_logger("vllm.sm121").warning_once(
-                    "gpt-oss: $VLLM_SM121_ROPE_IN_QKV=1 is not applied (%s); the rotation runs as upstream's", why)
+                from vllm_sm121.config import ROPE_IN_QKV_ENV
+
+                log = init_logger("vllm.sm121")
+                (log.warning_once if os.environ.get(ROPE_IN_QKV_ENV, "").strip() else log.info_once)(
+                    "gpt-oss: the rotation inside the qkv GEMV ($VLLM_SM121_ROPE_IN_QKV) is not applied (%s); "
+                    "it runs as upstream's", why)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
