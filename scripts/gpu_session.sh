@@ -95,6 +95,11 @@ for step in "$@"; do
     loadorder) python3 -m pytest -q -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_fp4_kv.py tests/test_paged_attention.py tests/test_dense.py -p no:cacheprovider > "$OUT/loadorder.log" 2>&1; r=$?
          python3 -m pytest -q -m "gpu or interpreter" tests/test_moe.py -k "fma or f16x2 or fused or pdl or scales" -p no:cacheprovider >> "$OUT/loadorder.log" 2>&1 || r=1
          grep -E "passed|failed|Error|^E " "$OUT/loadorder.log" | tail -n 30; (exit $r) ;;
+    # Stop 27's defaults on the GPU: the attention's in-kernel split merge (every split test of the
+    # kernel and nvfp4 suites takes it now), the MoE's fused routing / combine (and their defaults).
+    stop27) python3 -m pytest -q -m "gpu or interpreter" tests/test_paged_attention.py tests/test_fp4_kv.py -p no:cacheprovider > "$OUT/stop27.log" 2>&1; r=$?
+         python3 -m pytest -q -m "gpu or interpreter" tests/test_moe_parallel.py tests/test_moe.py -k "fused or pdl" -p no:cacheprovider >> "$OUT/stop27.log" 2>&1 || r=1
+         grep -E "passed|failed|Error|^E " "$OUT/stop27.log" | tail -n 30; (exit $r) ;;
     routertests) python3 -m pytest -q -s -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_moe_block.py tests/test_moe.py -k "router or gpt_oss_shapes or f16x2 or tiles_on_gpu or matches_reference" -p no:cacheprovider > "$OUT/routertests.log" 2>&1; r=$?
          grep -E "packed fp16|passed|failed|Error|^E " "$OUT/routertests.log" | tail -n 30; (exit $r) ;;  # the fused router and the default packed products on the GPU
     moeupstream) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8,64,512}" --in-graph 10 --providers sm121,triton,marlin --out "$OUT/moe_upstream${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moeupstream${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # issue 6: every upstream backend that runs here
@@ -120,8 +125,8 @@ for step in "$@"; do
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
     profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes
-                   tag=${a%%|*}; VLLM_SM121_MOE_FUSED_ROUTE=1 VLLM_SM121_MOE_FUSED_COMBINE=1 \
-                     python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
+                   tag=${a%%|*}; case " ${PROFILE120B_SET:-upstream plugin} " in *" $tag "*) ;; *) continue ;; esac
+                   python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
                      --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; r=$?; echo "--- profile 120b $tag: rc $r"
                    if [ $r = 0 ]; then sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; else fail=1; tail -n 40 "$OUT/profile_120b_$tag.log"; fi
                  done; (exit $fail) ;;
