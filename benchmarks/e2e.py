@@ -232,6 +232,10 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe with gpt-oss's rotary embedding inside the FP8 qkv GEMV's epilogue pinned on (the "
            "default since stop 27)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_ROPE_IN_QKV", "1"))),
+    # Opt-in (stop 27, not yet run on a GPU): the qkv GEMV also writes the nvfp4 KV cache (no write launch).
+    Config("sm121-all-moe-kvqkv", _all_on(),
+           "sm121-all-moe + the k / v heads written to the nvfp4 KV cache by the qkv GEMV (opt-in)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_KV_IN_QKV", "1"))),
     # A/B against the defaults that stop 27 switched on: the rotation inside the qkv GEMV, the
     # MoE's routing / combine inside FC1 / FC2 at one token, the attention's split merge in-kernel.
     Config("sm121-all-moe-stop26", _all_on(),

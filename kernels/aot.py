@@ -365,6 +365,14 @@ def dense_specs(family: str) -> list[Spec]:
                                   constexprs=dict(specs[-1].constexprs, ROPE=True, ROPE_ROWS=72 * 64, HEAD=64),
                                   ptr_types=dict(fma_ptrs, pos_ptr="*i64", cs_ptr="*fp32"),
                                   num_warps=fma.num_warps))
+                # + the k / v heads written to nvfp4 KV pages by each head's last program (opt-in kv_write)
+                specs.append(Spec(name=f"dense_fp8_fma[qkv K{k}, M{nt}, rope, nvfp4 kv write]", fn=_dense_fp8_fma_kernel,
+                                  constexprs=dict(specs[-1].constexprs, KV_WRITE=True, Q_ROWS=64 * 64, KV_HEADS=8,
+                                                  KV_BLOCK=16),
+                                  ptr_types=dict(specs[-1].ptr_types, slot_ptr="*i64", k_data_ptr="*u8",
+                                                 k_scale_ptr="*u8", v_data_ptr="*u8", v_scale_ptr="*u8",
+                                                 cnt_ptr="*i32"),
+                                  num_warps=fma.num_warps))
     return specs
 
 

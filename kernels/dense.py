@@ -418,7 +418,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def _dense_fma(x, w, scale, bias, out, rope=None) -> torch.Tensor:
+def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     tiles = dense_fma_tiles(x, m, n)
@@ -432,6 +432,17 @@ def _dense_fma(x, w, scale, bias, out, rope=None) -> torch.Tensor:
         positions, cache, rope_rows, head = rope
         extra = dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows,
                      HEAD=head)
+    if kv is not None:  # (k_pages, v_pages, slot_mapping), checked by dense_fp8_linear_rope
+        from .moe import split_counters
+
+        kp, vp, slots = kv
+        hkv = kp.shape[1]
+        extra.update(slot_ptr=slots, k_data_ptr=kp.data, k_scale_ptr=kp.scales.view(torch.uint8), v_data_ptr=vp.data,
+                     v_scale_ptr=vp.scales.view(torch.uint8), k_g_ptr=kp.global_scale, v_g_ptr=vp.global_scale,
+                     cnt_ptr=split_counters(x.device, 2 * hkv, "qkv_kv"), stride_kd_b=kp.data.stride(0),
+                     stride_ks_b=kp.scales.stride(0), stride_vd_b=vp.data.stride(0), stride_vs_b=vp.scales.stride(0),
+                     KV_WRITE=True, Q_ROWS=extra["ROPE_ROWS"] - hkv * extra["HEAD"], KV_HEADS=hkv,
+                     KV_BLOCK=kp.shape[2])
     _dense_fp8_fma_kernel[(-(-n // tiles.rows),)](
         xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
@@ -447,7 +458,7 @@ def _rope_tiles_fit(tiles: DenseFmaTiles, rope_rows: int, head: int) -> bool:
 
 def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
-                          *, path: str = "auto") -> torch.Tensor:
+                          *, path: str = "auto", kv_write: tuple | None = None) -> torch.Tensor:
     """``dense_fp8_linear`` followed by the NeoX rotary embedding of the first ``rope_rows`` outputs
     (gpt-oss's qkv_proj then ``rotary_emb(positions, q, k)``: q and k heads of ``head_size``, the
     rotation over the whole head, ``cos_sin_cache`` [max_position, head_size] = cos then sin halves).
@@ -455,6 +466,13 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     On the FMA path (few tokens) the rotation runs in the GEMV's epilogue: no kernel of its own.
     Elsewhere the projection's output is rotated afterwards (``rope_neox_``). Numerics as upstream's:
     the bf16 projection rotated with the cache rounded to bf16, fp32 arithmetic, one bf16 rounding.
+
+    ``kv_write=(k_pages, v_pages, slot_mapping)`` (``Nvfp4Pages`` of Hkv heads, int64 slots, -1 =
+    skip; opt-in, not yet wired into the model nor run on a GPU): the output is gpt-oss's whole qkv
+    (N = rope_rows + Hkv * head_size: q and k heads rotated, then the v heads), and each token's k
+    and v heads are also written to the pages, the bytes ``fp4_kv_write`` writes. On the FMA path
+    the GEMV does it: the program that finishes a head's rows last quantizes the head, so the cache
+    write needs no launch of its own; elsewhere ``fp4_kv_write`` runs after the projection.
     """
     m, n, _ = _check_linear(x, w, scale, bias)
     V.check_ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, head_size]")
@@ -468,6 +486,8 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                          "dimension (rotation over the whole head, NeoX halves)")
     if positions.shape != (m,) or positions.stride(0) != 1:
         raise ValueError(f"positions must be a contiguous [{m}] tensor (one per token), got {tuple(positions.shape)}")
+    if kv_write is not None:
+        _check_kv_write(kv_write, m, n, rope_rows, head_size, x.device)
     if path == "auto":
         path = select_path(m, n)
     if path == "fma" and m <= DENSE_FMA_KERNEL_MAX_M and _rope_tiles_fit(dense_fma_tiles(x, m, n), rope_rows,
@@ -475,9 +495,34 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         if m == 0:
             return out
-        return _dense_fma(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
-    out = dense_fp8_linear(x, w, scale, bias, path=path)
-    return rope_neox_(out, positions, cos_sin_cache, rope_rows, head_size)
+        return _dense_fma(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size),
+                          kv=None if kv_write is None else (*kv_write[:2], kv_write[2][:m]))
+    out = rope_neox_(dense_fp8_linear(x, w, scale, bias, path=path), positions, cos_sin_cache, rope_rows, head_size)
+    if kv_write is not None and m:
+        from .fp4_kv import fp4_kv_write
+
+        kp, vp, slots = kv_write
+        hkv, q = kp.shape[1], rope_rows - kp.shape[1] * head_size
+        fp4_kv_write(out[:, q:rope_rows].view(m, hkv, head_size), out[:, rope_rows:].view(m, hkv, head_size), kp, vp,
+                     slots[:m])
+    return out
+
+
+def _check_kv_write(kv_write, m: int, n: int, rope_rows: int, head_size: int, device) -> None:
+    from .fp4_kv import Nvfp4Pages
+
+    if not (isinstance(kv_write, tuple) and len(kv_write) == 3):
+        raise ValueError("kv_write must be (k_pages, v_pages, slot_mapping)")
+    kp, vp, slots = kv_write
+    if not (isinstance(kp, Nvfp4Pages) and isinstance(vp, Nvfp4Pages)) or kp.shape != vp.shape:
+        raise ValueError("kv_write: k_pages and v_pages must be Nvfp4Pages of one shape (the nvfp4 KV cache)")
+    hkv = kp.shape[1]
+    if kp.shape[3] != head_size or n != rope_rows + hkv * head_size or rope_rows <= hkv * head_size:
+        raise ValueError(f"kv_write: N={n} must be q + k + v heads of head_size={head_size} with rope_rows={rope_rows} "
+                         f"(q and k) and {hkv} KV heads of {kp.shape[3]} in the pages")
+    if slots.dtype != torch.int64 or slots.dim() != 1 or slots.shape[0] < m or slots.device != device:
+        raise ValueError(f"kv_write: slot_mapping must be int64 [>= {m}] on {device}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
 
 
 def rope_neox_(out: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,

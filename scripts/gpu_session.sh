@@ -100,6 +100,11 @@ for step in "$@"; do
     stop27) python3 -m pytest -q -m "gpu or interpreter" tests/test_paged_attention.py tests/test_fp4_kv.py -p no:cacheprovider > "$OUT/stop27.log" 2>&1; r=$?
          python3 -m pytest -q -m "gpu or interpreter" tests/test_moe_parallel.py tests/test_moe.py -k "fused or pdl" -p no:cacheprovider >> "$OUT/stop27.log" 2>&1 || r=1
          grep -E "passed|failed|Error|^E " "$OUT/stop27.log" | tail -n 30; (exit $r) ;;
+    # Stop 27's opt-in KV write inside the qkv GEMV (VLLM_SM121_KV_IN_QKV=1): its kernel, op and hook tests on the
+    # GPU, then gpt-oss-120b batch 1 with and without it (same machine, one run).
+    kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
+           grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
+           python3 benchmarks/e2e.py --model models/gpt-oss-120b --configs sm121-all-moe,sm121-all-moe-kvqkv ${E2E_ARGS:-} --out "$OUT/e2e_120b_kvqkv.json" 2>&1 | tee "$OUT/e2e_120b_kvqkv.log" | tail -n 12; (exit $r) ;;
     routertests) python3 -m pytest -q -s -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_moe_block.py tests/test_moe.py -k "router or gpt_oss_shapes or f16x2 or tiles_on_gpu or matches_reference" -p no:cacheprovider > "$OUT/routertests.log" 2>&1; r=$?
          grep -E "packed fp16|passed|failed|Error|^E " "$OUT/routertests.log" | tail -n 30; (exit $r) ;;  # the fused router and the default packed products on the GPU
     moeupstream) python3 benchmarks/moe.py --m "${MOE_M:-1,2,4,8,64,512}" --in-graph 10 --providers sm121,triton,marlin --out "$OUT/moe_upstream${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moeupstream${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # issue 6: every upstream backend that runs here

@@ -47,15 +47,19 @@ def test_traced_choices_recorded_once_for_the_compile_cache(monkeypatch):
 
     monkeypatch.delenv(C.ROUTER_IN_NORM_ENV, raising=False)
     monkeypatch.delenv(C.ROPE_IN_QKV_ENV, raising=False)
+    monkeypatch.delenv(C.KV_IN_QKV_ENV, raising=False)
     cfg = types.SimpleNamespace(additional_config={"sm121": {"moe": "upstream"}})
-    assert C.record_traced_choices(cfg) == {"router_in_norm": True, "rope_in_qkv": True}
+    assert C.record_traced_choices(cfg) == {"router_in_norm": True, "rope_in_qkv": True, "kv_in_qkv": False}
     monkeypatch.setenv(C.ROUTER_IN_NORM_ENV, "0")
     monkeypatch.setenv(C.ROPE_IN_QKV_ENV, "0")
-    assert C.record_traced_choices(cfg) == {"router_in_norm": True, "rope_in_qkv": True}  # recorded: unchanged
+    monkeypatch.setenv(C.KV_IN_QKV_ENV, "1")
+    assert C.record_traced_choices(cfg) == {"router_in_norm": True, "rope_in_qkv": True,
+                                            "kv_in_qkv": False}  # recorded: unchanged
     assert C.parse(cfg.additional_config).moe == "upstream"  # the sm121 section still parses
     fresh = types.SimpleNamespace(additional_config=None)
-    assert C.record_traced_choices(fresh) == {"router_in_norm": False, "rope_in_qkv": False}
-    assert fresh.additional_config == {C.TRACED_KEY: {"router_in_norm": False, "rope_in_qkv": False}}
+    assert C.record_traced_choices(fresh) == {"router_in_norm": False, "rope_in_qkv": False, "kv_in_qkv": True}
+    assert fresh.additional_config == {C.TRACED_KEY: {"router_in_norm": False, "rope_in_qkv": False,
+                                                      "kv_in_qkv": True}}
 
     class Hashed:
         def compute_hash(self):

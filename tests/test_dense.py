@@ -234,7 +234,8 @@ def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_pat
         "        if s.name.startswith('dense_fp8_fma[') and s.name.startswith(('dense_fp8_fma[qkv', 'dense_fp8_fma[o')):\n"
         "            p = aot.compile_spec(s, arch).ptx\n"
         "            i = p.index('Loop Header'); loop = p[i:p.index('bra', i)]\n"
-        "            out[f'{arch}:{s.name}'] = dict(ftz='.ftz' in p, bar=loop.count('bar.sync'),\n"
+        "            kv = 'kv write' in s.name  # its epilogue quantizes as the nvfp4 KV write kernel (.ftz there)\n"
+        "            out[f'{arch}:{s.name}'] = dict(ftz='.ftz' in (loop if kv else p), bar=loop.count('bar.sync'),\n"
         "                mma=bool(re.search(r'\\b(mma|wgmma|ldmatrix|cp\\.async)', p)), ffma='fma.rn.f32' in p,\n"
         "                broadcast=s.constexprs['BLOCK_KW'] >= 32 * s.num_warps)\n"
         "print(json.dumps(out))\n")
@@ -244,7 +245,7 @@ def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_pat
     import json
 
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 12  # qkv (plain and with the rotation) and o, M = 1 and 4, both archs
+    assert len(res) == 16  # qkv (plain, with the rotation, + the nvfp4 KV write) and o, M = 1 and 4, both archs
     for name, r in res.items():
         # kw >= 32 * warps: Triton broadcasts the activation words through shared memory, with
         # barriers in the loop (the sm_90 one-token tiles do: measured faster all the same)
@@ -353,6 +354,66 @@ def test_rope_off_the_fma_path_and_bad_input(device):
         D.dense_fp8_linear_rope(x, q, s, b, pos[:2], cache, rope_rows, head)
     with pytest.raises(ValueError, match="head_size"):
         D.dense_fp8_linear_rope(x, q, s, b, pos, cache[:, :32], rope_rows, head)
+
+
+def _nvfp4_kv_pages(heads_kv, head, device, block=16, blocks=6):
+    from vllm_sm121.kernels.fp4_kv import Nvfp4Pages
+
+    cache = torch.zeros(blocks, 2, heads_kv * block * (head // 2 + head // 16), dtype=torch.uint8, device=device)
+    g = torch.tensor([2.0 ** -9, 2.0 ** -7], device=device)
+    return cache, tuple(Nvfp4Pages.view(cache[:, i], heads_kv, block, head, g[i:i + 1]) for i in (0, 1))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,path", [(1, "fma"), (3, "fma"), (6, "auto")])
+def test_qkv_gemv_writes_the_nvfp4_kv_cache(m, path, device, monkeypatch):
+    """``kv_write``: the qkv GEMV (+ rotation) also writes each token's k and v heads to the NVFP4 KV
+    pages. On the FMA path each head's last program to finish does it (no write launch: the write
+    kernel is not called), elsewhere the write kernel runs after the projection; either way the
+    projection is the one without ``kv_write`` and the pages hold exactly the bytes ``fp4_kv_write``
+    writes from it, a padded token (slot -1) writes nothing, and the arrival counters end at 0."""
+    import importlib
+
+    from vllm_sm121.kernels.fp4_kv import fp4_kv_write
+
+    fp4 = importlib.import_module("vllm_sm121.kernels.fp4_kv")
+    head, hkv = 32, 2
+    x, q, s, b, pos, cache, rope_rows = _rope_case(m, 4, hkv, head, 64, device, 21 + m)
+    slots = torch.tensor([5, 40, -1, 17, 66, 3][:m], dtype=torch.int64, device=device)
+    out = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path)
+    ref_cache, (kp, vp) = _nvfp4_kv_pages(hkv, head, device)
+    qr = rope_rows - hkv * head
+    fp4_kv_write(out[:, qr:rope_rows].reshape(m, hkv, head), out[:, rope_rows:].reshape(m, hkv, head), kp, vp, slots)
+    kv_cache, pages = _nvfp4_kv_pages(hkv, head, device)
+    if path == "fma":  # the write kernel must not run
+        with monkeypatch.context() as mp:
+            mp.setattr(fp4, "fp4_kv_write", lambda *a, **k: (_ for _ in ()).throw(AssertionError("write launched")))
+            fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path,
+                                            kv_write=(*pages, slots))
+        from vllm_sm121.kernels import moe as K
+
+        assert int(K.split_counters(x.device, purpose="qkv_kv").abs().sum()) == 0
+    else:
+        fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path, kv_write=(*pages, slots))
+    assert torch.equal(fused, out)
+    assert ref_cache.count_nonzero() > 0
+    assert torch.equal(kv_cache.cpu(), ref_cache.cpu())
+
+
+@pytest.mark.interpreter
+def test_qkv_gemv_kv_write_bad_input(device):
+    """Pages that do not fit the projection's heads, or bad slots, are refused by name."""
+    head = 32
+    x, q, s, b, pos, cache, rope_rows = _rope_case(1, 4, 2, head, 64, device, 5)
+    _, pages3 = _nvfp4_kv_pages(3, head, device)
+    slots = torch.zeros(1, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="KV heads"):
+        D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, kv_write=(*pages3, slots))
+    _, pages = _nvfp4_kv_pages(2, head, device)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, kv_write=(*pages, slots.int()))
+    with pytest.raises(ValueError, match="Nvfp4Pages"):
+        D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, kv_write=(pages[0], cache, slots))
 
 
 @pytest.mark.gpu

@@ -187,3 +187,54 @@ def test_row_parallel_conversion_all_reduces_the_row_max(monkeypatch):
     assert len(calls) == 1
 
 
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,calibrated", [(1, True), (2, True), (1, False), (6, True)])
+def test_qkv_op_writes_the_layers_nvfp4_cache(m, calibrated, device, monkeypatch):
+    """``sm121::dense_fp8_linear_rope_kv`` (opt-in $VLLM_SM121_KV_IN_QKV): the rotated qkv of
+    ``dense_fp8_linear_rope`` and, in the attention layer's nvfp4 cache, exactly the bytes the
+    layer's own ``do_kv_cache_update`` writes from it (vLLM's ``unified_kv_cache_update``): fused
+    into the GEMV once the layer's global scales are set, through the layer's write (which sets
+    them) before that; a profiling run (no slots) writes nothing."""
+    from vllm.model_executor.layers.attention import attention as A
+
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+    from vllm_sm121.kernels import dense as D
+
+    head, hq, hkv, k = 32, 4, 2, 64
+    g = torch.Generator().manual_seed(40 + m)
+    n, rope_rows = (hq + 2 * hkv) * head, (hq + hkv) * head
+    q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, k, generator=g) * 0.5).bfloat16())
+    bias = torch.randn(n, generator=g).bfloat16()
+    ang = torch.rand(512, head // 2, generator=g) * 6.3
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    pos = torch.randint(0, 512, (m,), generator=g)
+    slots = torch.tensor([3, 20, -1, 7, 50, 33][:m], dtype=torch.int64)
+    args = [t.to(device) for t in (x, q8, s8, bias, pos, cos_sin)]
+
+    def layer_and_cache():
+        impl = SM121AttentionImpl(hq, head, 0.125, hkv, kv_cache_dtype="nvfp4")
+        cache = torch.zeros(4, 2, hkv * 16 * (head // 2 + head // 16), dtype=torch.uint8, device=device)
+        impl._kv(cache)  # the layer's pages and global scales
+        if calibrated:
+            impl._g.copy_(torch.tensor([2.0 ** -8, 2.0 ** -6], device=device))
+            impl._calibrating = False
+        return types.SimpleNamespace(impl=impl), cache
+
+    ref_layer, ref_cache = layer_and_cache()
+    ref = D.dense_fp8_linear_rope(*args, rope_rows, head)
+    q0 = hq * head
+    ref_layer.impl.do_kv_cache_update(ref_layer, ref[:, q0:rope_rows].reshape(m, hkv, head),
+                                      ref[:, rope_rows:].reshape(m, hkv, head), ref_cache, slots.to(device))
+    layer, cache = layer_and_cache()
+    monkeypatch.setattr(A, "get_attention_context", lambda name: (None, layer, cache, slots.to(device)))
+    out, dep = M.dense_fp8_linear_rope_kv(*args, rope_rows, head, "model.layers.0.attn")
+    assert torch.equal(out, ref) and dep.numel() == 0
+    assert ref_cache.count_nonzero() > 0 and torch.equal(cache, ref_cache)
+    assert torch.equal(layer.impl._g, ref_layer.impl._g)  # calibrated alike where it was not yet
+    layer, cache = layer_and_cache()
+    monkeypatch.setattr(A, "get_attention_context", lambda name: (None, layer, cache, None))
+    out, _ = M.dense_fp8_linear_rope_kv(*args, rope_rows, head, "model.layers.0.attn")
+    assert torch.equal(out, ref) and cache.count_nonzero() == 0

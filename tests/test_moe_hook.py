@@ -413,6 +413,33 @@ def test_rope_in_qkv_switch_and_reasons(env, monkeypatch):
     assert C.traced_env_choices()["rope_in_qkv"] is False
 
 
+def test_kv_in_qkv_switch_and_reasons(env, monkeypatch):
+    """Opt-in ($VLLM_SM121_KV_IN_QKV=1, a traced choice): only where the rotation runs in the qkv GEMV,
+    with an nvfp4 cache on SM121 attention; refused with the reason otherwise."""
+    from vllm_sm121 import config as C
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+
+    monkeypatch.delenv(C.KV_IN_QKV_ENV, raising=False)
+    assert C.traced_env_choices()["kv_in_qkv"] is False
+    monkeypatch.setenv(C.KV_IN_QKV_ENV, "1")
+    assert C.traced_env_choices()["kv_in_qkv"] is True
+    block = build_block(env, "mxfp8")
+    assert block.sm121_kv_in_qkv is False  # the stand-in attention: no rotation in the GEMV, so no write
+    nvfp4 = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype="nvfp4"))
+    impl = SM121AttentionImpl(4, 64, 0.125, 2, kv_cache_dtype="nvfp4")
+    backend = types.SimpleNamespace(forward_includes_kv_cache_update=False)
+    ok_layer = types.SimpleNamespace(impl=impl, kv_sharing_target_layer_name=None, calculate_kv_scales=False,
+                                     attn_backend=backend)
+    attn = types.SimpleNamespace(attn=ok_layer)
+    assert hook.kv_in_qkv_unsupported_reason(attn, nvfp4) is None
+    bf16 = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype="auto"))
+    assert "nvfp4" in hook.kv_in_qkv_unsupported_reason(attn, bf16)
+    other = types.SimpleNamespace(attn=types.SimpleNamespace(**{**ok_layer.__dict__, "impl": object()}))
+    assert "SM121" in hook.kv_in_qkv_unsupported_reason(other, nvfp4)
+    shared = types.SimpleNamespace(attn=types.SimpleNamespace(**{**ok_layer.__dict__, "kv_sharing_target_layer_name": "x"}))
+    assert "shares" in hook.kv_in_qkv_unsupported_reason(shared, nvfp4)
+
+
 def test_opcheck_qkv_rope_op():
     """``sm121::dense_fp8_linear_rope``: schema and fake implementation, on the fused (few tokens) and
     the unfused path."""
@@ -482,3 +509,78 @@ def test_block_with_rope_in_qkv_traces_into_one_graph(env):
     targets = {str(nd.target).rsplit(".default", 1)[0] for nd in graphs[0].graph.nodes if nd.op == "call_function"}
     assert "sm121.dense_fp8_linear_rope" in targets, targets
     assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
+
+
+@pytest.mark.interpreter
+def test_block_with_kv_in_qkv_traces_into_one_graph_and_fills_the_cache(env, monkeypatch):
+    """With the KV write in the qkv GEMV switched on, the block's forward compiles into one Dynamo
+    graph holding ``sm121::dense_fp8_linear_rope_kv`` then vLLM's ``unified_attention_with_output``
+    (no ``unified_kv_cache_update``), and gives the eager numbers; the attention layer's nvfp4 cache
+    gets the k / v heads (the attention's forward here: a stand-in SM121 impl that doubles q)."""
+    from vllm.model_executor.layers.attention import attention as A
+
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+    from vllm_sm121.kernels import dense as D
+
+    block = build_block(env, "mxfp8")
+    head, hq, hkv, hidden = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["hidden_size"]
+    n = (hq + 2 * hkv) * head
+    g = torch.Generator().manual_seed(4)
+    q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, hidden, generator=g) * 0.3).bfloat16())
+
+    class Impl(SM121AttentionImpl):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, **kw):
+            output.copy_(query * 2)
+            return output
+
+    impl = Impl(hq, head, 0.125, hkv, kv_cache_dtype="nvfp4")
+    cache = torch.zeros(4, 2, hkv * 16 * (head // 2 + head // 16), dtype=torch.uint8)
+    impl._kv(cache)
+    impl._calibrating = False
+    slots = torch.tensor([3, 17, 40])
+    layer = types.SimpleNamespace(impl=impl, layer_name="model.layers.0.self_attn.attn", num_heads=hq,
+                                  num_kv_heads=hkv, head_size=head, head_size_v=head)
+    monkeypatch.setattr(A, "get_attention_context", lambda name: (None, layer, cache, slots))
+
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant_method = Sm121DenseFp8LinearMethod()
+            self.weight = torch.nn.Parameter(q8, requires_grad=False)
+            self.weight_scale = torch.nn.Parameter(s8, requires_grad=False)
+            self.bias = torch.nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj, self.rotary_emb = Proj(), _gpt_oss_rope(env.cfgs["mxfp8"], head)
+            self.q_size, self.kv_size, self.head_dim = hq * head, hkv * head, head
+            self.attn = layer
+
+        def o_proj(self, a):
+            return a[:, :hidden] + 1, None
+
+    block.attn = Attn()
+    block.sm121_rope_in_qkv = block.sm121_kv_in_qkv = True
+    x, _, res0 = _inputs(3, seed=5)
+    pos = torch.tensor([5, 900, 77])
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_e, r_e = block.forward(x, pos, res0.clone())
+        written = cache.clone()
+        cache.zero_()
+        out_c, r_c = torch.compile(block.forward, backend=capture, fullgraph=True)(x, pos, res0.clone())
+    assert len(graphs) == 1
+    targets = [str(nd.target).rsplit(".default", 1)[0] for nd in graphs[0].graph.nodes if nd.op == "call_function"]
+    assert "sm121.dense_fp8_linear_rope_kv" in targets and "vllm.unified_attention_with_output" in targets, targets
+    assert targets.index("sm121.dense_fp8_linear_rope_kv") < targets.index("vllm.unified_attention_with_output")
+    assert "vllm.unified_kv_cache_update" not in targets
+    assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
+    assert written.count_nonzero() > 0 and torch.equal(cache, written)

@@ -120,6 +120,9 @@ ROUTER_IN_NORM_ENV = "VLLM_SM121_ROUTER_IN_NORM"
 # model allows it (FP8 dense weights, the plugin's MoE block); default on since stop 27 (120b batch 1,
 # H200, 0f84732: 401.5 vs 386.0 tok/s); 0 turns it off
 ROPE_IN_QKV_ENV = "VLLM_SM121_ROPE_IN_QKV"
+# With the rotation there and an nvfp4 KV cache on SM121: the qkv GEMV also writes the k / v heads to
+# the cache (no KV-write launch); opt-in (1), not yet run on a GPU (stop 27)
+KV_IN_QKV_ENV = "VLLM_SM121_KV_IN_QKV"
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -128,7 +131,8 @@ def _env_flag(name: str, default: bool) -> bool:
 
 def traced_env_choices() -> dict[str, Any]:
     """The environment's choices that change the traced gpt-oss graph (read now)."""
-    return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True)}
+    return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True),
+            "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False)}
 
 
 def record_traced_choices(vllm_config: Any) -> dict[str, Any] | None:

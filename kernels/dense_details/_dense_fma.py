@@ -33,7 +33,8 @@ nothing sm_90-only.
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
+from .._sync import last_to_arrive
+from ..kv_cache_details._codecs import e4m3_word_byte, nvfp4_quantize_rows, to_bf16_rne
 
 BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
 # Activations are multiplied by 2**X_EXP before the products (exact): the decoded weights carry
@@ -117,6 +118,33 @@ def _epilogue(acc, scale, bias, out_ptr, t, stride_om, rows, row_ok, HAS_BIAS: t
     tl.store(out_ptr + t * stride_om + rows, to_bf16_rne(y), mask=row_ok)
 
 
+@triton.jit
+def _kv_head_to_nvfp4(out_ptr, stride_om, head_idx, slot_ptr, k_data_ptr, k_scale_ptr, v_data_ptr, v_scale_ptr,
+                      k_g_ptr, v_g_ptr, stride_kd_b, stride_ks_b, stride_vd_b, stride_vs_b, NT: tl.constexpr,
+                      Q_ROWS: tl.constexpr, HEAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_BLOCK: tl.constexpr):
+    """Writes K or V head ``head_idx`` (K heads 0..KV_HEADS-1, then the V heads) of the NT tokens'
+    finished projection rows to their NVFP4 page slots, as ``_fp4_kv_write_kernel`` does (the same
+    bytes): run by the program that stored the head's last rows (``last_to_arrive``)."""
+    offs_d = tl.arange(0, HEAD)
+    offs_p = tl.arange(0, HEAD // 2)
+    offs_s = tl.arange(0, HEAD // 16)
+    if head_idx < KV_HEADS:
+        h, d_ptr, s_ptr, g_ptr, sdb, ssb = head_idx, k_data_ptr, k_scale_ptr, k_g_ptr, stride_kd_b, stride_ks_b
+    else:
+        h, d_ptr, s_ptr, g_ptr, sdb, ssb = head_idx - KV_HEADS, v_data_ptr, v_scale_ptr, v_g_ptr, stride_vd_b, stride_vs_b
+    g = tl.load(g_ptr)
+    for t in tl.static_range(NT):
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        x = tl.load(out_ptr + t * stride_om + Q_ROWS + head_idx * HEAD + offs_d, cache_modifier=".cg")
+        ok = slot >= 0  # a padded token (slot -1) masks its stores
+        slot = tl.maximum(slot, 0)
+        row = h * KV_BLOCK + slot % KV_BLOCK  # within a page: [Hkv][block][HEAD/2] data, [Hkv][block][HEAD/16] scales
+        packed, s_code = nvfp4_quantize_rows(tl.reshape(x.to(tl.float32), [1, HEAD]), g, 1, HEAD // 16)
+        page = slot // KV_BLOCK
+        tl.store(d_ptr + page * sdb + row * (HEAD // 2) + offs_p[None, :], packed, mask=ok)
+        tl.store(s_ptr + page * ssb + row * (HEAD // 16) + offs_s[None, :], s_code, mask=ok)
+
+
 @triton.jit(launch_metadata=_launch_metadata)
 def _dense_fp8_fma_kernel(
     x_ptr,  # [NT, K / 4] int64: bf16 activations viewed as 8-byte words, row stride stride_xm (words)
@@ -138,6 +166,24 @@ def _dense_fp8_fma_kernel(
     ROPE: tl.constexpr = False,  # NeoX rotary embedding of the first ROPE_ROWS outputs in the epilogue
     ROPE_ROWS: tl.constexpr = 0,  # multiple of HEAD and BLOCK_R; HEAD / 2 a multiple of BLOCK_R / 2
     HEAD: tl.constexpr = 64,
+    # KV_WRITE (with ROPE; opt-in, kernels/dense.py): the K and V heads (rows Q_ROWS .. +2 * KV_HEADS * HEAD)
+    # also go to NVFP4 KV pages, written by each head's last program to finish (arrival counters)
+    slot_ptr=None,  # [>= NT] int64 slots (< 0: skip)
+    k_data_ptr=None,
+    k_scale_ptr=None,
+    v_data_ptr=None,
+    v_scale_ptr=None,
+    k_g_ptr=None,  # [1] fp32 global scales
+    v_g_ptr=None,
+    cnt_ptr=None,  # [>= 2 * KV_HEADS] int32 arrival counters, zero before and after each launch
+    stride_kd_b=0,
+    stride_ks_b=0,
+    stride_vd_b=0,
+    stride_vs_b=0,
+    KV_WRITE: tl.constexpr = False,
+    Q_ROWS: tl.constexpr = 0,
+    KV_HEADS: tl.constexpr = 1,
+    KV_BLOCK: tl.constexpr = 16,
 ):
     KW: tl.constexpr = K // 4
     if ROPE:
@@ -190,3 +236,10 @@ def _dense_fp8_fma_kernel(
         _epilogue(acc2, scale, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS, c2, sn2, ROPE, BLOCK_R)
     if NT > 3:
         _epilogue(acc3, scale, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS, c3, sn3, ROPE, BLOCK_R)
+    if KV_WRITE:  # a program's rows lie inside one head (HEAD is a multiple of BLOCK_R)
+        head_idx = tl.program_id(0) * BLOCK_R // HEAD - Q_ROWS // HEAD
+        if (head_idx >= 0) & (head_idx < 2 * KV_HEADS):
+            if last_to_arrive(cnt_ptr, head_idx, HEAD // BLOCK_R):
+                _kv_head_to_nvfp4(out_ptr, stride_om, head_idx, slot_ptr, k_data_ptr, k_scale_ptr, v_data_ptr,
+                                  v_scale_ptr, k_g_ptr, v_g_ptr, stride_kd_b, stride_ks_b, stride_vd_b, stride_vs_b,
+                                  NT, Q_ROWS, HEAD, KV_HEADS, KV_BLOCK)

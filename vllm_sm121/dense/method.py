@@ -33,6 +33,7 @@ import torch
 from torch.library import Library
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name
 
 LIBRARY = "sm121"
 _lib = Library(LIBRARY, "FRAGMENT")
@@ -70,6 +71,39 @@ def _dense_fp8_linear_rope_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.T
     return torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
 
 
+def _dense_fp8_linear_rope_kv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                              positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
+                              layer_name: LayerNameType) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_dense_fp8_linear_rope`` that also writes the k / v heads into attention layer
+    ``layer_name``'s nvfp4 KV cache, as vLLM's ``unified_kv_cache_update`` would (returns its dummy
+    too, the dependency vLLM's attention op takes). The GEMV writes them itself once the layer's
+    global scales are calibrated and the slots cover the tokens; else the layer's own
+    ``do_kv_cache_update`` runs after the projection (its first batches, profiling runs)."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    from vllm_sm121.kernels.dense import dense_fp8_linear_rope as kernel
+
+    _, layer, kv_cache, slots = get_attention_context(_resolve_layer_name(layer_name))
+    dep = torch.empty(0, device=kv_cache.device, dtype=kv_cache.dtype)
+    m, hkv = x.shape[0], layer.impl.num_kv_heads
+    if slots is not None and not layer.impl._calibrating and slots.shape[0] >= m:
+        return kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size,
+                      kv_write=(*layer.impl._kv(kv_cache), slots)), dep
+    out = kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size)
+    if slots is not None:
+        q = rope_rows - hkv * head_size
+        layer.impl.do_kv_cache_update(layer, out[:, q:rope_rows].view(m, hkv, head_size),
+                                      out[:, rope_rows:].view(m, hkv, head_size), kv_cache, slots)
+    return out, dep
+
+
+def _dense_fp8_linear_rope_kv_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                                   positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,
+                                   head_size: int, layer_name: LayerNameType) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device),
+            torch.empty(0, device=x.device, dtype=torch.uint8))
+
+
 def _register_ops() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -77,6 +111,10 @@ def _register_ops() -> None:
                               target_lib=_lib)
     direct_register_custom_op("dense_fp8_linear_rope", _dense_fp8_linear_rope,
                               fake_impl=_dense_fp8_linear_rope_fake, target_lib=_lib)
+    # writes the KV cache as a side effect, as vLLM's own unified_kv_cache_update (mutates nothing
+    # it is passed; the returned dummy orders the attention op after it)
+    direct_register_custom_op("dense_fp8_linear_rope_kv", _dense_fp8_linear_rope_kv,
+                              fake_impl=_dense_fp8_linear_rope_kv_fake, target_lib=_lib)
 
 
 _register_ops()  # once per process (module import)
@@ -103,6 +141,20 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         x = x.contiguous()
     return torch.ops.sm121.dense_fp8_linear_rope(x, w, scale, bias, positions.contiguous(), cos_sin_cache,
                                                  rope_rows, head_size)
+
+
+def dense_fp8_linear_rope_kv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                             positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
+                             layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dense_fp8_linear_rope`` of gpt-oss's whole qkv (q, k rotated, then v) that also writes k
+    and v to attention layer ``layer_name``'s nvfp4 KV cache; returns (qkv, the dependency for
+    ``vllm::unified_attention_with_output``)."""
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    if x.stride(-1) != 1 or x.stride(0) != x.shape[-1]:
+        x = x.contiguous()
+    return torch.ops.sm121.dense_fp8_linear_rope_kv(x, w, scale, bias, positions.contiguous(), cos_sin_cache,
+                                                    rope_rows, head_size, _encode_layer_name(layer_name))
 
 
 # ---- weights ---------------------------------------------------------------------------------

@@ -284,17 +284,54 @@ def rope_in_qkv_unsupported_reason(attn: torch.nn.Module, vllm_config) -> str | 
     return None
 
 
-def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def kv_in_qkv_unsupported_reason(attn: torch.nn.Module, vllm_config) -> str | None:
+    """Why the qkv GEMV cannot also write this layer's KV cache (None: it can). Asked only where
+    the rotation runs in the GEMV already."""
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+
+    layer = getattr(attn, "attn", None)
+    impl = getattr(layer, "impl", None)
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    checks = (
+        (cache_dtype != "nvfp4", f"--kv-cache-dtype is {cache_dtype!r}, not nvfp4"),
+        (not isinstance(impl, SM121AttentionImpl), "the attention backend is not SM121"),
+        (getattr(layer, "kv_sharing_target_layer_name", None) is not None, "the layer shares another's KV cache"),
+        (getattr(layer, "calculate_kv_scales", False), "the layer calculates KV scales"),
+        (getattr(layer, "attn_backend", None) is not None and layer.attn_backend.forward_includes_kv_cache_update,
+         "the backend writes the cache in its forward"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor,
+                        kv_in_qkv: bool = False) -> torch.Tensor:
     """Upstream's ``OAIAttention.forward`` with the rotation inside the qkv GEMV
-    (``sm121::dense_fp8_linear_rope``)."""
-    from vllm_sm121.dense.method import dense_fp8_linear_rope
+    (``sm121::dense_fp8_linear_rope``); with ``kv_in_qkv`` the GEMV writes the KV cache too
+    (``sm121::dense_fp8_linear_rope_kv``) and the attention op runs without vLLM's own
+    ``unified_kv_cache_update`` (``Attention.forward`` otherwise, for this backend and layer)."""
+    from vllm_sm121.dense.method import dense_fp8_linear_rope, dense_fp8_linear_rope_kv
 
     qkv_proj = attn.qkv_proj
-    qkv = dense_fp8_linear_rope(hidden_states, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, positions,
-                                attn.rotary_emb.cos_sin_cache, attn.q_size + attn.kv_size, attn.head_dim)
+    args = (hidden_states, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, positions,
+            attn.rotary_emb.cos_sin_cache, attn.q_size + attn.kv_size, attn.head_dim)
+    if not kv_in_qkv:
+        q, k, v = dense_fp8_linear_rope(*args).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        output, _ = attn.o_proj(attn.attn(q, k, v))
+        return output
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    layer = attn.attn
+    qkv, dep = dense_fp8_linear_rope_kv(*args, layer.layer_name)
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    attn_output = attn.attn(q, k, v)
-    output, _ = attn.o_proj(attn_output)
+    out = torch.empty(q.shape[0], layer.num_heads * layer.head_size_v, dtype=q.dtype, device=q.device)
+    torch.ops.vllm.unified_attention_with_output(
+        q.view(-1, layer.num_heads, layer.head_size), k.view(-1, layer.num_kv_heads, layer.head_size),
+        v.view(-1, layer.num_kv_heads, layer.head_size_v), out.view(-1, layer.num_heads, layer.head_size_v),
+        _encode_layer_name(layer.layer_name), kv_cache_dummy_dep=dep)
+    output, _ = attn.o_proj(out)
     return output
 
 
@@ -333,6 +370,17 @@ class Sm121GptOssBlock(TransformerBlock):
                 (log.warning_once if os.environ.get(ROPE_IN_QKV_ENV, "").strip() else log.info_once)(
                     "gpt-oss: the rotation inside the qkv GEMV ($VLLM_SM121_ROPE_IN_QKV) is not applied (%s); "
                     "it runs as upstream's", why)
+        # The KV-cache write inside the same GEMV (opt-in $VLLM_SM121_KV_IN_QKV=1; a traced choice).
+        self.sm121_kv_in_qkv = False
+        if choices.get("kv_in_qkv", False):
+            why = (kv_in_qkv_unsupported_reason(self.attn, vllm_config) if self.sm121_rope_in_qkv
+                   else "the rotation does not run inside the qkv GEMV")
+            self.sm121_kv_in_qkv = why is None
+            if why is not None:
+                from vllm.logger import init_logger
+
+                init_logger("vllm.sm121").warning_once(
+                    "gpt-oss: $VLLM_SM121_KV_IN_QKV=1 is not applied (%s); vLLM writes the KV cache", why)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +393,7 @@ class Sm121GptOssBlock(TransformerBlock):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         if self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, self._sm121_dense_fp8):
-            hidden_states = hooked_attn_forward(self.attn, hidden_states, positions)
+            hidden_states = hooked_attn_forward(self.attn, hidden_states, positions, self.sm121_kv_in_qkv)
         else:
             hidden_states = self.attn(hidden_states, positions)
         # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8.
