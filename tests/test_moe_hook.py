@@ -458,43 +458,33 @@ def test_opcheck_qkv_rope_op():
                               test_utils=("test_faketensor",))
 
 
-def test_block_with_rope_in_qkv_traces_into_one_graph(env):
-    """With the rotation in the qkv GEMV switched on, the block's forward still compiles into one
-    Dynamo graph (no break: the FP8-method check is a constant), which holds the fused op, and gives
-    the eager numbers. The attention is a stand-in module with OAIAttention's attributes."""
-    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
-    from vllm_sm121.kernels import dense as D
+class _Fp8Attention(torch.nn.Module):
+    """OAIAttention's attributes for the tiny block: an FP8 qkv_proj on the plugin's method, gpt-oss's
+    rotation, the given attention (a callable or an attention layer) and an o_proj stand-in."""
 
-    block = build_block(env, "mxfp8")
-    head, hq, hkv, hidden = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["hidden_size"]
-    n = (hq + 2 * hkv) * head
-    g = torch.Generator().manual_seed(3)
-    q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, hidden, generator=g) * 0.3).bfloat16())
+    def __init__(self, env, seed: int, attn):
+        from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+        from vllm_sm121.kernels import dense as D
 
-    class Proj(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.quant_method = Sm121DenseFp8LinearMethod()
-            self.weight = torch.nn.Parameter(q8, requires_grad=False)
-            self.weight_scale = torch.nn.Parameter(s8, requires_grad=False)
-            self.bias = torch.nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False)
+        super().__init__()
+        head, hq, hkv = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"]
+        n, hidden = (hq + 2 * hkv) * head, TINY["hidden_size"]
+        g = torch.Generator().manual_seed(seed)
+        q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, hidden, generator=g) * 0.3).bfloat16())
+        self.qkv_proj = torch.nn.Module()
+        self.qkv_proj.quant_method = Sm121DenseFp8LinearMethod()
+        for name, t in (("weight", q8), ("weight_scale", s8), ("bias", torch.randn(n, generator=g).bfloat16())):
+            self.qkv_proj.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        self.rotary_emb = _gpt_oss_rope(env.cfgs["mxfp8"], head)
+        self.q_size, self.kv_size, self.head_dim = hq * head, hkv * head, head
+        self.attn = attn
 
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv_proj, self.rotary_emb = Proj(), _gpt_oss_rope(env.cfgs["mxfp8"], head)
-            self.q_size, self.kv_size, self.head_dim = hq * head, hkv * head, head
+    def o_proj(self, a):
+        return a[:, :TINY["hidden_size"]] + 1, None
 
-        def attn(self, q, k, v):
-            return q * 2 + torch.cat((k, v), dim=-1).sum(-1, keepdim=True)
 
-        def o_proj(self, a):
-            return a[:, :hidden] + 1, None
-
-    block.attn = Attn()
-    block.sm121_rope_in_qkv = True
-    x, _, res0 = _inputs(3, seed=2)
-    pos = torch.tensor([5, 900, 77])
+def _compiled_once(block, x, pos, res0):
+    """``block.forward`` through Dynamo with fullgraph=True: (the one graph's op names in order, its outputs)."""
     graphs = []
 
     def capture(gm, example_inputs):
@@ -502,11 +492,23 @@ def test_block_with_rope_in_qkv_traces_into_one_graph(env):
         return gm.forward
 
     torch._dynamo.reset()
-    with torch.no_grad():
-        out_c, r_c = torch.compile(block.forward, backend=capture, fullgraph=True)(x, pos, res0.clone())
-        out_e, r_e = block.forward(x, pos, res0.clone())
+    out, res = torch.compile(block.forward, backend=capture, fullgraph=True)(x, pos, res0.clone())
     assert len(graphs) == 1
-    targets = {str(nd.target).rsplit(".default", 1)[0] for nd in graphs[0].graph.nodes if nd.op == "call_function"}
+    return [str(nd.target).rsplit(".default", 1)[0] for nd in graphs[0].graph.nodes if nd.op == "call_function"], out, res
+
+
+def test_block_with_rope_in_qkv_traces_into_one_graph(env):
+    """With the rotation in the qkv GEMV switched on, the block's forward still compiles into one
+    Dynamo graph (no break: the FP8-method check is a constant), which holds the fused op, and gives
+    the eager numbers. The attention is a stand-in module with OAIAttention's attributes."""
+    block = build_block(env, "mxfp8")
+    block.attn = _Fp8Attention(env, 3, lambda q, k, v: q * 2 + torch.cat((k, v), dim=-1).sum(-1, keepdim=True))
+    block.sm121_rope_in_qkv = True
+    x, _, res0 = _inputs(3, seed=2)
+    pos = torch.tensor([5, 900, 77])
+    with torch.no_grad():
+        targets, out_c, r_c = _compiled_once(block, x, pos, res0)
+        out_e, r_e = block.forward(x, pos, res0.clone())
     assert "sm121.dense_fp8_linear_rope" in targets, targets
     assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
 
@@ -520,14 +522,8 @@ def test_block_with_kv_in_qkv_traces_into_one_graph_and_fills_the_cache(env, mon
     from vllm.model_executor.layers.attention import attention as A
 
     from vllm_sm121.attention.impl import SM121AttentionImpl
-    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
-    from vllm_sm121.kernels import dense as D
 
-    block = build_block(env, "mxfp8")
-    head, hq, hkv, hidden = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["hidden_size"]
-    n = (hq + 2 * hkv) * head
-    g = torch.Generator().manual_seed(4)
-    q8, s8 = D.fp8_per_channel_quantize((torch.randn(n, hidden, generator=g) * 0.3).bfloat16())
+    head, hq, hkv = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"]
 
     class Impl(SM121AttentionImpl):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, **kw):
@@ -542,43 +538,16 @@ def test_block_with_kv_in_qkv_traces_into_one_graph_and_fills_the_cache(env, mon
     layer = types.SimpleNamespace(impl=impl, layer_name="model.layers.0.self_attn.attn", num_heads=hq,
                                   num_kv_heads=hkv, head_size=head, head_size_v=head)
     monkeypatch.setattr(A, "get_attention_context", lambda name: (None, layer, cache, slots))
-
-    class Proj(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.quant_method = Sm121DenseFp8LinearMethod()
-            self.weight = torch.nn.Parameter(q8, requires_grad=False)
-            self.weight_scale = torch.nn.Parameter(s8, requires_grad=False)
-            self.bias = torch.nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False)
-
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv_proj, self.rotary_emb = Proj(), _gpt_oss_rope(env.cfgs["mxfp8"], head)
-            self.q_size, self.kv_size, self.head_dim = hq * head, hkv * head, head
-            self.attn = layer
-
-        def o_proj(self, a):
-            return a[:, :hidden] + 1, None
-
-    block.attn = Attn()
+    block = build_block(env, "mxfp8")
+    block.attn = _Fp8Attention(env, 4, layer)
     block.sm121_rope_in_qkv = block.sm121_kv_in_qkv = True
     x, _, res0 = _inputs(3, seed=5)
     pos = torch.tensor([5, 900, 77])
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
     with torch.no_grad():
         out_e, r_e = block.forward(x, pos, res0.clone())
         written = cache.clone()
         cache.zero_()
-        out_c, r_c = torch.compile(block.forward, backend=capture, fullgraph=True)(x, pos, res0.clone())
-    assert len(graphs) == 1
-    targets = [str(nd.target).rsplit(".default", 1)[0] for nd in graphs[0].graph.nodes if nd.op == "call_function"]
+        targets, out_c, r_c = _compiled_once(block, x, pos, res0)
     assert "sm121.dense_fp8_linear_rope_kv" in targets and "vllm.unified_attention_with_output" in targets, targets
     assert targets.index("sm121.dense_fp8_linear_rope_kv") < targets.index("vllm.unified_attention_with_output")
     assert "vllm.unified_kv_cache_update" not in targets
