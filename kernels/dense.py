@@ -23,9 +23,11 @@ Architecture
     decoded once, reduces with ``tl.sum`` and applies 2**56, the scale and the bias in the
     epilogue. Tiles per family in DENSE_FMA_TILES, overridden at call time by
     $VLLM_SM121_DENSE_FMA_TILES="rows,kw,warps". ``dense_fp8_linear_rope`` (gpt-oss's qkv_proj +
-    ``rotary_emb``, opt-in in the model hook): the FMA kernel with ROPE pairs each program's rows
-    inside one head's NeoX halves and rotates in its epilogue; other paths rotate after the GEMM
-    (``rope_neox_``, also the reference). Not yet run on a GPU.
+    ``rotary_emb``, the model hook's default since stop 27): the FMA kernel with ROPE pairs each
+    program's rows inside one head's NeoX halves and rotates in its epilogue; other paths rotate
+    after the GEMM (``rope_neox_``, also the reference). Kernel tests passed on an H200 (0f84732).
+    Its opt-in ``kv_write`` (also the nvfp4 KV-cache write, by each k / v head's last program) is
+    interpreter-tested only.
 
     Batches and prefill may instead take vLLM's own W8A8 FP8 GEMM (``path="w8a8"``: per-token
     e4m3 activations from ``scaled_fp8_quant``, ``cutlass_scaled_mm`` on the same weights and

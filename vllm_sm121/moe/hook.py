@@ -20,9 +20,11 @@ Architecture
     Otherwise ``forward`` is upstream's (``super().forward``), so installing the class changes
     nothing for layers on any other MoE method.
 
-    Opt-in ($VLLM_SM121_ROPE_IN_QKV=1, with ``"dense_weights": "fp8"``): the attention's rotary
-    embedding runs inside the FP8 qkv GEMV (``hooked_attn_forward``, op
-    ``sm121::dense_fp8_linear_rope``) instead of as upstream's ``rotary_emb`` after it.
+    With ``"dense_weights": "fp8"`` (default on since stop 27; $VLLM_SM121_ROPE_IN_QKV=0 turns it
+    off): the attention's rotary embedding runs inside the FP8 qkv GEMV (``hooked_attn_forward``, op
+    ``sm121::dense_fp8_linear_rope``) instead of as upstream's ``rotary_emb`` after it; opt-in
+    ($VLLM_SM121_KV_IN_QKV=1, nvfp4 cache) the same GEMV also writes the KV cache
+    (``sm121::dense_fp8_linear_rope_kv``).
 
     Both ops are torch custom ops (``direct_register_custom_op``, library ``sm121``) with fake
     implementations, taking the weights as tensor arguments, so vLLM's torch.compile and
