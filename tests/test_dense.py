@@ -427,3 +427,35 @@ def test_rope_in_the_fma_epilogue_gpt_oss_120b_qkv(m):
     assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])
     diff = (fused.float() - ref.float()).abs()
     assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_qkv_gemv_kv_write_gpt_oss_120b_graph_replay_on_gpu(m):
+    """gpt-oss-120b's qkv (64 q + 8 kv heads of 64, K 2880) with the rotation and the nvfp4 KV write
+    fused, captured in a CUDA graph and replayed with new slots: each replay's pages hold exactly the
+    bytes ``fp4_kv_write`` writes from the same projection, and the arrival counters end at 0."""
+    from vllm_sm121.kernels import moe as K
+    from vllm_sm121.kernels.fp4_kv import fp4_kv_write
+
+    head, hkv = 64, 8
+    x, q, s, b, pos, cache, rope_rows = _rope_case(m, 64, hkv, head, 2880, "cuda", 31 + m)
+    qr = rope_rows - hkv * head
+    kv_cache, pages = _nvfp4_kv_pages(hkv, head, "cuda", blocks=64)
+    slots = torch.arange(m, dtype=torch.int64, device="cuda") * 37 + 5
+    D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="fma", kv_write=(*pages, slots))  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="fma", kv_write=(*pages, slots))
+    for step in range(2):
+        slots.copy_(torch.arange(m, dtype=torch.int64, device="cuda") * 37 + 5 + 200 * step)
+        kv_cache.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_cache, ref_pages = _nvfp4_kv_pages(hkv, head, "cuda", blocks=64)
+        fp4_kv_write(out[:, qr:rope_rows].reshape(m, hkv, head), out[:, rope_rows:].reshape(m, hkv, head), *ref_pages,
+                     slots)
+        assert ref_cache.count_nonzero() > 0 and torch.equal(kv_cache, ref_cache), step
+        assert int(K.split_counters(x.device, purpose="qkv_kv").abs().sum()) == 0
+    plain = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="fma")
+    assert torch.equal(out, plain)
