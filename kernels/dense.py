@@ -83,7 +83,7 @@ from vllm_sm121 import platform as _platform
 from . import _validate as V
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
-from .moe import dequant_mxfp4_torch
+from .moe import dequant_mxfp4_torch, split_counters
 from .norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 from .nvfp4 import _e2m1_codes_torch
 
@@ -435,8 +435,6 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
         extra = dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows,
                      HEAD=head)
     if kv is not None:  # (k_pages, v_pages, slot_mapping), checked by dense_fp8_linear_rope
-        from .moe import split_counters
-
         kp, vp, slots = kv
         hkv = kp.shape[1]
         extra.update(slot_ptr=slots, k_data_ptr=kp.data, k_scale_ptr=kp.scales.view(torch.uint8), v_data_ptr=vp.data,
@@ -504,10 +502,16 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         from .fp4_kv import fp4_kv_write
 
         kp, vp, slots = kv_write
-        hkv, q = kp.shape[1], rope_rows - kp.shape[1] * head_size
-        fp4_kv_write(out[:, q:rope_rows].view(m, hkv, head_size), out[:, rope_rows:].view(m, hkv, head_size), kp, vp,
-                     slots[:m])
+        fp4_kv_write(*qkv_kv_heads(out, rope_rows, kp.shape[1], head_size), kp, vp, slots[:m])
     return out
+
+
+def qkv_kv_heads(qkv: torch.Tensor, rope_rows: int, num_kv_heads: int, head_size: int):
+    """Views (k, v) [T, num_kv_heads, head_size] of gpt-oss's qkv output [T, N] (q and k heads in the
+    first ``rope_rows`` columns, then the v heads): what the KV cache write takes."""
+    m, q = qkv.shape[0], rope_rows - num_kv_heads * head_size
+    return (qkv[:, q:rope_rows].view(m, num_kv_heads, head_size),
+            qkv[:, rope_rows:rope_rows + num_kv_heads * head_size].view(m, num_kv_heads, head_size))
 
 
 def _check_kv_write(kv_write, m: int, n: int, rope_rows: int, head_size: int, device) -> None:

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
-from ..kv_cache_details._codecs import e4m3_word_byte, nvfp4_quantize_rows, to_bf16_rne
+from ..fp4_kv_details._fp4_kv import nvfp4_store_slot
+from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
 
 BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
 # Activations are multiplied by 2**X_EXP before the products (exact): the decoded weights carry
@@ -126,8 +127,6 @@ def _kv_head_to_nvfp4(out_ptr, stride_om, head_idx, slot_ptr, k_data_ptr, k_scal
     finished projection rows to their NVFP4 page slots, as ``_fp4_kv_write_kernel`` does (the same
     bytes): run by the program that stored the head's last rows (``last_to_arrive``)."""
     offs_d = tl.arange(0, HEAD)
-    offs_p = tl.arange(0, HEAD // 2)
-    offs_s = tl.arange(0, HEAD // 16)
     if head_idx < KV_HEADS:
         h, d_ptr, s_ptr, g_ptr, sdb, ssb = head_idx, k_data_ptr, k_scale_ptr, k_g_ptr, stride_kd_b, stride_ks_b
     else:
@@ -136,13 +135,8 @@ def _kv_head_to_nvfp4(out_ptr, stride_om, head_idx, slot_ptr, k_data_ptr, k_scal
     for t in tl.static_range(NT):
         slot = tl.load(slot_ptr + t).to(tl.int64)
         x = tl.load(out_ptr + t * stride_om + Q_ROWS + head_idx * HEAD + offs_d, cache_modifier=".cg")
-        ok = slot >= 0  # a padded token (slot -1) masks its stores
-        slot = tl.maximum(slot, 0)
-        row = h * KV_BLOCK + slot % KV_BLOCK  # within a page: [Hkv][block][HEAD/2] data, [Hkv][block][HEAD/16] scales
-        packed, s_code = nvfp4_quantize_rows(tl.reshape(x.to(tl.float32), [1, HEAD]), g, 1, HEAD // 16)
-        page = slot // KV_BLOCK
-        tl.store(d_ptr + page * sdb + row * (HEAD // 2) + offs_p[None, :], packed, mask=ok)
-        tl.store(s_ptr + page * ssb + row * (HEAD // 16) + offs_s[None, :], s_code, mask=ok)
+        nvfp4_store_slot(tl.reshape(x.to(tl.float32), [1, HEAD]), g, slot, h, d_ptr, s_ptr, sdb, ssb, 1, HEAD,
+                         KV_BLOCK)  # a padded token (slot -1) stores nothing
 
 
 @triton.jit(launch_metadata=_launch_metadata)

@@ -35,8 +35,6 @@ def _fp4_kv_write_kernel(
     side = tl.program_id(1)
     offs_h = tl.arange(0, NUM_KV_HEADS)
     offs_d = tl.arange(0, HEAD)
-    offs_p = tl.arange(0, HEAD // 2)
-    offs_s = tl.arange(0, HEAD // 16)
     if side == 0:
         src, sh, st, d_ptr, s_ptr, sdb, ssb, g_ptr = key_ptr, stride_k_h, stride_k_t, k_data_ptr, k_scale_ptr, stride_kd_b, stride_ks_b, k_global_ptr
     else:
@@ -48,12 +46,22 @@ def _fp4_kv_write_kernel(
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     x = tl.load(src + tok * st + offs_h[:, None] * sh + offs_d[None, :]).to(tl.float32)
     g = tl.load(g_ptr)
+    nvfp4_store_slot(x, g, slot, 0, d_ptr, s_ptr, sdb, ssb, NUM_KV_HEADS, HEAD, BLOCK_SIZE)
+
+
+@triton.jit
+def nvfp4_store_slot(x, g, slot, head0, d_ptr, s_ptr, stride_d_page, stride_s_page, ROWS: tl.constexpr,
+                     HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """x [ROWS, HEAD] fp32 (heads head0 .. head0 + ROWS - 1 of one token) quantized to NVFP4 with
+    global scale g into page slot ``slot`` (< 0: nothing is stored; a mask, not a branch, so the
+    caller's loads stay ahead of it). Within a page: [Hkv][BLOCK_SIZE][HEAD/2] data,
+    [Hkv][BLOCK_SIZE][HEAD/16] e4m3 scales."""
+    offs_p = tl.arange(0, HEAD // 2)
+    offs_s = tl.arange(0, HEAD // 16)
     ok = slot >= 0
     slot = tl.maximum(slot, 0)
     page = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    # Within a page: [Hkv][BLOCK_SIZE][HEAD/2] data, [Hkv][BLOCK_SIZE][HEAD/16] scales.
-    row = offs_h * BLOCK_SIZE + off
-    packed, s_code = nvfp4_quantize_rows(x, g, NUM_KV_HEADS, HEAD // 16)
-    tl.store(d_ptr + page * sdb + row[:, None] * (HEAD // 2) + offs_p[None, :], packed, mask=ok)
-    tl.store(s_ptr + page * ssb + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code, mask=ok)
+    row = (head0 + tl.arange(0, ROWS)) * BLOCK_SIZE + slot % BLOCK_SIZE
+    packed, s_code = nvfp4_quantize_rows(x, g, ROWS, HEAD // 16)
+    tl.store(d_ptr + page * stride_d_page + row[:, None] * (HEAD // 2) + offs_p[None, :], packed, mask=ok)
+    tl.store(s_ptr + page * stride_s_page + row[:, None] * (HEAD // 16) + offs_s[None, :], s_code, mask=ok)

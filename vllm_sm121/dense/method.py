@@ -82,18 +82,17 @@ def _dense_fp8_linear_rope_kv(x: torch.Tensor, w: torch.Tensor, scale: torch.Ten
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
     from vllm_sm121.kernels.dense import dense_fp8_linear_rope as kernel
+    from vllm_sm121.kernels.dense import qkv_kv_heads
 
     _, layer, kv_cache, slots = get_attention_context(_resolve_layer_name(layer_name))
     dep = torch.empty(0, device=kv_cache.device, dtype=kv_cache.dtype)
-    m, hkv = x.shape[0], layer.impl.num_kv_heads
-    if slots is not None and not layer.impl._calibrating and slots.shape[0] >= m:
+    if slots is not None and not layer.impl._calibrating and slots.shape[0] >= x.shape[0]:
         return kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size,
                       kv_write=(*layer.impl._kv(kv_cache), slots)), dep
     out = kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size)
     if slots is not None:
-        q = rope_rows - hkv * head_size
-        layer.impl.do_kv_cache_update(layer, out[:, q:rope_rows].view(m, hkv, head_size),
-                                      out[:, rope_rows:].view(m, hkv, head_size), kv_cache, slots)
+        layer.impl.do_kv_cache_update(layer, *qkv_kv_heads(out, rope_rows, layer.impl.num_kv_heads, head_size),
+                                      kv_cache, slots)
     return out, dep
 
 
