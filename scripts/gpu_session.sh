@@ -102,6 +102,7 @@ for step in "$@"; do
          grep -E "passed|failed|Error|^E " "$OUT/stop27.log" | tail -n 30; (exit $r) ;;
     # Stop 27's opt-in KV write inside the qkv GEMV (VLLM_SM121_KV_IN_QKV=1): its kernel, op and hook tests on the
     # GPU, then gpt-oss-120b batch 1 with and without it (same machine, one run).
+    kvwrite) python3 -m pytest -q -m "gpu or interpreter" tests/test_fp4_kv.py -k "write or calibration or power_of_two" -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/kvwrite.log" ;;  # the nvfp4 KV write kernel alone
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
            grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
            python3 benchmarks/e2e.py --model models/gpt-oss-120b --configs sm121-all-moe,sm121-all-moe-kvqkv ${E2E_ARGS:-} --out "$OUT/e2e_120b_kvqkv.json" 2>&1 | tee "$OUT/e2e_120b_kvqkv.log" | tail -n 12; (exit $r) ;;
