@@ -618,8 +618,9 @@ def norm_router_timing(args, device, flush, copy_gbps) -> list[dict]:
         return N.fused_add_rmsnorm_mxfp8_router(x, res, w, rw, rb)
 
     records = []
+    tiles = N.router_tiles(h, e)
     print(f"\nnorm -> MXFP8 + router (H = {h}, E = {e}): separate launches vs the router inside the norm "
-          f"(fused up to {N.ROUTER_FUSED_MAX_TOKENS} tokens)")
+          f"(fused up to {N.ROUTER_FUSED_MAX_TOKENS} tokens; block_e, warps, MXFP8 blocks per program: {tiles})")
     print(f"{'M':>6}{'separate us':>13}{'fused us':>10}{'MB read':>9}{'% copy':>8}  logits max |d|")
     for m in [m for m in args.m if m > 0]:
         x = torch.randn(m, h, generator=g).bfloat16().to(device)
@@ -639,7 +640,7 @@ def norm_router_timing(args, device, flush, copy_gbps) -> list[dict]:
         same = torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
         pc = 100 * nbytes / (us["norm_router"] * 1e-6) / 1e9 / copy_gbps if copy_gbps else float("nan")
         for name in us:
-            records.append({"provider": name, "m": m, "us_p50": us[name], "bytes": nbytes,
+            records.append({"provider": name, "m": m, "us_p50": us[name], "bytes": nbytes, "router_tiles": tiles,
                             "logits_max_abs_diff": dlog, "residual_and_scales_equal": same})
         print(f"{m:>6}{us['norm+linear']:>13.1f}{us['norm_router']:>10.1f}{nbytes / 1e6:>9.2f}{pc:>8.1f}  "
               f"{dlog:.2e}{'' if same else '  (residual/scales differ!)'}")

@@ -36,7 +36,7 @@ from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
 from .moe_details._moe_fma import _moe_fc1_swiglu_fma_kernel, _moe_fc2_fma_kernel
 from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
 from .moe_details._moe_route import _moe_route_kernel
-from .norm_mxfp8 import ROUTER_BLOCK_E
+from .norm_mxfp8 import router_tiles
 from .norm_mxfp8_details._norm_mxfp8 import _add_rmsnorm_mxfp8_kernel, _add_rmsnorm_mxfp8_router_kernel
 from .nvfp4_details._nvfp4 import _nvfp4_dequantize_kernel, _nvfp4_quantize_kernel
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
@@ -213,7 +213,8 @@ def norm_specs(family: str) -> list[Spec]:
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
                                 q_ptr="*u8", s_ptr="*u8"), num_warps=4),
             Spec(name="add_rmsnorm_mxfp8_router[H2880,E128]", fn=_add_rmsnorm_mxfp8_router_kernel,
-                 constexprs=dict(H=2880, E=128, BLOCK_H=4096, BLOCK_E=ROUTER_BLOCK_E),
+                 constexprs=dict(H=2880, E=128, BLOCK_H=4096, BLOCK_E=router_tiles(2880, 128)[0],
+                                 QBLOCKS=router_tiles(2880, 128)[2]),
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", rw_ptr="*bf16", rb_ptr="*bf16",
                                 res_out_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", g_ptr="*bf16"), num_warps=4)]
 

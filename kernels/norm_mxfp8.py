@@ -12,6 +12,8 @@ Wired into gpt-oss by ``vllm_sm121/moe/hook.py``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -24,8 +26,39 @@ MX_BLOCK = 32
 # tokens; larger ones run the norm kernel and then the router as a bf16 GEMM (torch.nn.functional.linear):
 # each fused program re-reads its BLOCK_E router rows per token, which only pays while T is small.
 ROUTER_FUSED_MAX_TOKENS = 8
-# performance hyper-parameter: router outputs per program (gpt-oss: 128 experts -> 32 programs per token)
+# performance hyper-parameters of the router kernel: router outputs per program (gpt-oss: 128
+# experts -> 32 programs per token) and warps; each program also quantizes its share of the row's
+# MXFP8 blocks (router_tiles). $VLLM_SM121_NORM_ROUTER_TILES="block_e,warps[,qblocks]" overrides
+# them at call time (qblocks: MXFP8 blocks per program, a power of two; default: the row's blocks
+# spread over its programs; the row's block count rounded up to a power of two puts them all on program 0).
 ROUTER_BLOCK_E = 4
+ROUTER_WARPS = 4
+NORM_ROUTER_TILES_ENV = "VLLM_SM121_NORM_ROUTER_TILES"
+
+
+def router_tiles(h: int, e: int) -> tuple[int, int, int]:
+    """(block_e, num_warps, qblocks) of the router kernel for hidden size ``h`` and ``e`` experts."""
+    block_e, warps, qblocks = ROUTER_BLOCK_E, ROUTER_WARPS, 0
+    env = os.environ.get(NORM_ROUTER_TILES_ENV, "").strip()
+    if env:
+        try:
+            vals = [int(v) for v in env.split(",")]
+            block_e, warps = vals[:2]
+            qblocks = vals[2] if len(vals) > 2 else 0
+        except ValueError:
+            vals = []
+        if len(vals) not in (2, 3) or e % block_e or block_e & (block_e - 1) or warps not in (1, 2, 4, 8, 16) or (
+                qblocks & (qblocks - 1)):
+            raise ValueError(f"{NORM_ROUTER_TILES_ENV}={env!r}: expected block_e,warps[,qblocks] (block_e a power of "
+                             f"two dividing {e}, warps in 1..16, qblocks a power of two)")
+    programs = e // block_e
+    need = triton.next_power_of_2(triton.cdiv(h // MX_BLOCK, programs))
+    if qblocks < need:
+        if qblocks:
+            raise ValueError(f"{NORM_ROUTER_TILES_ENV}={env!r}: {programs} programs x {qblocks} blocks do not cover "
+                             f"{h // MX_BLOCK} MXFP8 blocks")
+        qblocks = need
+    return block_e, warps, qblocks
 
 
 def _check_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
@@ -87,7 +120,7 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
     t, h = x.shape
     e = router_w.shape[0]
     res = torch.empty_like(x)
-    if t > ROUTER_FUSED_MAX_TOKENS or e % ROUTER_BLOCK_E:
+    if t > ROUTER_FUSED_MAX_TOKENS or e % ROUTER_BLOCK_E:  # (the fallback ignores $VLLM_SM121_NORM_ROUTER_TILES)
         y, q, s = fused_add_rmsnorm_mxfp8(x, residual, weight, eps, residual_out=res)
         return res, q, s, torch.nn.functional.linear(y, router_w, router_b)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
@@ -95,10 +128,11 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
     g = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
     if t:
         block_h = triton.next_power_of_2(h)
-        _add_rmsnorm_mxfp8_router_kernel[(t, e // ROUTER_BLOCK_E)](
+        block_e, warps, qblocks = router_tiles(h, e)
+        _add_rmsnorm_mxfp8_router_kernel[(t, e // block_e)](
             x, residual, weight, router_w, router_b, res, q, s, g, float(eps), x.stride(0), residual.stride(0),
             router_w.stride(0), res.stride(0), q.stride(0), s.stride(0), g.stride(0), H=h, E=e, BLOCK_H=block_h,
-            BLOCK_E=ROUTER_BLOCK_E, num_warps=4 if block_h >= 2048 else 2)
+            BLOCK_E=block_e, QBLOCKS=qblocks, num_warps=warps)
     return res, q.view(torch.float8_e4m3fn), s, g
 
 

@@ -103,6 +103,10 @@ for step in "$@"; do
     # Stop 27's opt-in KV write inside the qkv GEMV (VLLM_SM121_KV_IN_QKV=1): its kernel, op and hook tests on the
     # GPU, then gpt-oss-120b batch 1 with and without it (same machine, one run).
     kvwrite) python3 -m pytest -q -m "gpu or interpreter" tests/test_fp4_kv.py -k "write or calibration or power_of_two" -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/kvwrite.log" ;;  # the nvfp4 KV write kernel alone
+    normroutersweep) for tl_ in ${NR_TILES:-4,4,128 4,4 2,4 1,4 4,8 2,2 1,2 8,4}; do  # the router kernel's tiles (4,4,128: all MXFP8 blocks on program 0, as before)
+                       VLLM_SM121_NORM_ROUTER_TILES=$tl_ python3 benchmarks/moe.py --m 1,2,4 --in-graph 10 --providers , --norm-router \
+                         --out "$OUT/norm_router_${tl_//,/_}.json" 2>&1 | grep -A5 "^norm ->"; done ;;
+    normtests) python3 -m pytest -q -m "gpu or interpreter" tests/test_norm_mxfp8.py tests/test_ops.py -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/normtests.log" ;;
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
            grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
            python3 benchmarks/e2e.py --model models/gpt-oss-120b --configs sm121-all-moe,sm121-all-moe-kvqkv ${E2E_ARGS:-} --out "$OUT/e2e_120b_kvqkv.json" 2>&1 | tee "$OUT/e2e_120b_kvqkv.log" | tail -n 12; (exit $r) ;;

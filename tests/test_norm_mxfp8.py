@@ -107,3 +107,37 @@ def test_bad_input():
     x = torch.zeros(2, 40).bfloat16()
     with pytest.raises(ValueError, match="hidden size 40 is not supported"):
         fused_add_rmsnorm_mxfp8(x, x.clone(), torch.ones(40).bfloat16())
+
+
+# router kernel tiles: (block_e, warps, qblocks); None = defaults (blocks spread over the programs)
+@pytest.mark.parametrize("tiles", [None, "8,1", "4,1,4", "2,2,1"])
+def test_router_kernel_mxfp8_is_the_norm_kernels_bit_for_bit(device, tiles, monkeypatch):
+    """However the row's MXFP8 blocks are split between the router kernel's programs (each
+    quantizes its share), the residual, values and scales equal the plain norm kernel's bytes."""
+    if tiles:
+        monkeypatch.setenv(N.NORM_ROUTER_TILES_ENV, tiles)
+    g = torch.Generator().manual_seed(4)
+    hidden, experts, t = 96, 16, 2
+    x, res = ((torch.randn(t, hidden, generator=g) * 3).bfloat16().to(device) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16().to(device)
+    rw = (torch.randn(experts, hidden, generator=g) * 0.1).bfloat16().to(device)
+    rb = torch.zeros(experts).bfloat16().to(device)
+    r_ref = res.clone()
+    _, q_ref, s_ref = fused_add_rmsnorm_mxfp8(x, r_ref, w)
+    r, q, s, _ = fused_add_rmsnorm_mxfp8_router(x, res, w, rw, rb)
+    assert torch.equal(r.cpu(), r_ref.cpu())
+    assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8).cpu())
+    assert torch.equal(s.cpu(), s_ref.cpu())
+
+
+def test_router_tiles_env():
+    assert N.router_tiles(2880, 128) == (N.ROUTER_BLOCK_E, N.ROUTER_WARPS, 4)  # 90 blocks over 32 programs
+    import os
+
+    for bad in ("3,4", "4,3", "4", "a,b", "4,4,3", "32,4,1"):
+        os.environ[N.NORM_ROUTER_TILES_ENV] = bad
+        try:
+            with pytest.raises(ValueError, match=N.NORM_ROUTER_TILES_ENV):
+                N.router_tiles(2880, 128)
+        finally:
+            del os.environ[N.NORM_ROUTER_TILES_ENV]

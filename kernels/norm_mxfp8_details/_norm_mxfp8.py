@@ -19,7 +19,7 @@ def _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H: tl.
     r = to_bf16_rne(r)
     rf = r.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
-    return offs, m, r, rf * rstd * w
+    return offs, m, r, rf * rstd * w, rstd
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _add_rmsnorm_mxfp8_kernel(
     BLOCK_H: tl.constexpr,  # power of two >= H
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs, m, r, y = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
+    offs, m, r, y, _ = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)  # one program per row: reads came first
     tl.store(y_ptr + row * stride_y + offs, to_bf16_rne(y), mask=m)
     _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H, BLOCK_H)
@@ -80,11 +80,14 @@ def _add_rmsnorm_mxfp8_router_kernel(
     E: tl.constexpr,
     BLOCK_H: tl.constexpr,  # power of two >= H
     BLOCK_E: tl.constexpr,  # router outputs per program (divides E)
+    QBLOCKS: tl.constexpr,  # MXFP8 blocks (32 values) per program, power of two; (E / BLOCK_E) * QBLOCKS * 32 >= H
 ):
     """Program (t, j): token t's add + RMSNorm (recomputed by every j: 2 x H bf16 reads), router
     logits E[j*BLOCK_E : (j+1)*BLOCK_E] = bf16(y) . W + b (fp32 sums, bf16 out as upstream's bf16
-    linear); program j = 0 also writes the residual and the MXFP8 activations. The residual goes to
-    its own output: updating it in place would race with the other programs of the row."""
+    linear), and the residual and MXFP8 activations of MXFP8 blocks [j*QBLOCKS, (j+1)*QBLOCKS): the
+    quantization (software e4m3 rounding) is spread over the row's programs instead of lengthening
+    one. The residual goes to its own output: updating it in place would race with the other
+    programs of the row."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     # The router rows and bias first: issued with the row's loads, not after the norm's reduction.
@@ -93,10 +96,20 @@ def _add_rmsnorm_mxfp8_router_kernel(
     wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * stride_rw + offs_h[None, :], mask=(offs_h < H)[None, :],
                  other=0.0)
     rb = tl.load(rb_ptr + offs_e).to(tl.float32)
-    offs, m, r, y = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
+    # This program's slice of the row for the MXFP8 blocks, loaded with the rest (cache hits).
+    offs_q = j * (QBLOCKS * 32) + tl.arange(0, QBLOCKS * 32)
+    mq = offs_q < H
+    wq = tl.load(w_ptr + offs_q, mask=mq, other=0.0).to(tl.float32)
+    rq = to_bf16_rne(tl.load(x_ptr + row * stride_x + offs_q, mask=mq, other=0.0).to(tl.float32) + tl.load(
+        res_ptr + row * stride_r + offs_q, mask=mq, other=0.0).to(tl.float32))
+    offs, m, r, y, rstd = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     yb = to_bf16_rne(y).to(tl.float32)  # the router reads bf16 y, as upstream's
     g = tl.sum(wt.to(tl.float32) * yb[None, :], axis=1) + rb
     tl.store(g_ptr + row * stride_g + offs_e, to_bf16_rne(g))
-    if j == 0:
-        tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)
-        _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H, BLOCK_H)
+    if j * (QBLOCKS * 32) < H:
+        tl.store(res_out_ptr + row * stride_ro + offs_q, rq, mask=mq)
+        yq = rq.to(tl.float32) * rstd * wq  # = y at these offsets, bit for bit (same operations)
+        codes, scales = mxfp8_quantize_rows(yq[None, :], 1, QBLOCKS)
+        tl.store(q_ptr + row * stride_q + offs_q[None, :], codes, mask=mq[None, :])
+        offs_b = j * QBLOCKS + tl.arange(0, QBLOCKS)
+        tl.store(s_ptr + row * stride_s + offs_b[None, :], scales, mask=offs_b[None, :] < H // 32)

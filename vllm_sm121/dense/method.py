@@ -30,13 +30,9 @@ quantized after loading when the checkpoint is not fp8).
 from __future__ import annotations
 
 import torch
-from torch.library import Library
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name
-
-LIBRARY = "sm121"
-_lib = Library(LIBRARY, "FRAGMENT")
 
 # Layers of gpt-oss converted when dense_weights == "fp8" (the router stays bf16).
 LINEAR_LAYERS = ("qkv_proj", "o_proj")
@@ -104,16 +100,13 @@ def _dense_fp8_linear_rope_kv_fake(x: torch.Tensor, w: torch.Tensor, scale: torc
 
 
 def _register_ops() -> None:
-    from vllm.utils.torch_utils import direct_register_custom_op
+    from vllm_sm121.ops import register_op
 
-    direct_register_custom_op("dense_fp8_linear", _dense_fp8_linear, fake_impl=_dense_fp8_linear_fake,
-                              target_lib=_lib)
-    direct_register_custom_op("dense_fp8_linear_rope", _dense_fp8_linear_rope,
-                              fake_impl=_dense_fp8_linear_rope_fake, target_lib=_lib)
+    register_op("dense_fp8_linear", _dense_fp8_linear, _dense_fp8_linear_fake)
+    register_op("dense_fp8_linear_rope", _dense_fp8_linear_rope, _dense_fp8_linear_rope_fake)
     # writes the KV cache as a side effect, as vLLM's own unified_kv_cache_update (mutates nothing
     # it is passed; the returned dummy orders the attention op after it)
-    direct_register_custom_op("dense_fp8_linear_rope_kv", _dense_fp8_linear_rope_kv,
-                              fake_impl=_dense_fp8_linear_rope_kv_fake, target_lib=_lib)
+    register_op("dense_fp8_linear_rope_kv", _dense_fp8_linear_rope_kv, _dense_fp8_linear_rope_kv_fake)
 
 
 _register_ops()  # once per process (module import)

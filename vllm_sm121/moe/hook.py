@@ -59,15 +59,11 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.library import Library
 from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
 
 from vllm_sm121.config import ROUTER_IN_NORM_ENV, TRACED_KEY, record_traced_choices, traced_env_choices  # noqa: F401 (re-exported)
 
 from .method import local_expert_map
-
-LIBRARY = "sm121"
-_lib = Library(LIBRARY, "FRAGMENT")  # keeps the ops alive for the process' lifetime
 
 
 # ---- custom ops ------------------------------------------------------------------------------
@@ -119,14 +115,11 @@ def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logit
 
 
 def _register_ops() -> None:
-    from vllm.utils.torch_utils import direct_register_custom_op
+    from vllm_sm121.ops import register_op
 
-    direct_register_custom_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, mutates_args=["residual"],
-                              fake_impl=_add_rmsnorm_mxfp8_fake, target_lib=_lib)
-    direct_register_custom_op("add_rmsnorm_mxfp8_router", _add_rmsnorm_mxfp8_router,
-                              fake_impl=_add_rmsnorm_mxfp8_router_fake, target_lib=_lib)
-    direct_register_custom_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, fake_impl=_gpt_oss_moe_mxfp8_fake,
-                              target_lib=_lib)
+    register_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, _add_rmsnorm_mxfp8_fake, mutates_args=["residual"])
+    register_op("add_rmsnorm_mxfp8_router", _add_rmsnorm_mxfp8_router, _add_rmsnorm_mxfp8_router_fake)
+    register_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, _gpt_oss_moe_mxfp8_fake)
 
 
 _register_ops()  # once per process (module import); the dispatch key is the current platform's
