@@ -27,11 +27,16 @@ MX_BLOCK = 32
 # each fused program re-reads its BLOCK_E router rows per token, which only pays while T is small.
 ROUTER_FUSED_MAX_TOKENS = 8
 # performance hyper-parameters of the router kernel: router outputs per program (gpt-oss: 128
-# experts -> 32 programs per token) and warps; each program also quantizes its share of the row's
+# experts -> 64 programs per token) and warps; each program also quantizes its share of the row's
 # MXFP8 blocks (router_tiles). $VLLM_SM121_NORM_ROUTER_TILES="block_e,warps[,qblocks]" overrides
 # them at call time (qblocks: MXFP8 blocks per program, a power of two; default: the row's blocks
-# spread over its programs; the row's block count rounded up to a power of two puts them all on program 0).
-ROUTER_BLOCK_E = 4
+# spread over its programs; the row's block count rounded up to a power of two puts them all on
+# program 0, as before 006c509). H200, gpt-oss-120b (H 2880, E 128), in-graph, L2 flushed
+# (gpu_session.sh normroutersweep, docs/logs/normroutersweep-h200-006c509.log), us at M = 1 / 2 / 4:
+#   4,4 with all blocks on program 0: 5.4 / 5.3 / 5.7     4,4 spread (4 blocks each): 3.7 / 3.7 / 3.6
+#   2,4 (2 blocks each): 3.4 / 3.5 / 3.7                   1,4: 3.4 / 3.7 / 4.0    4,8: 3.6 / 3.7 / 3.6
+# (norm kernel + cuBLAS router: 10.7 / 11.9 / 11.9). sm_12x takes the same tiles (not measured there).
+ROUTER_BLOCK_E = 2
 ROUTER_WARPS = 4
 NORM_ROUTER_TILES_ENV = "VLLM_SM121_NORM_ROUTER_TILES"
 

@@ -131,7 +131,7 @@ def test_router_kernel_mxfp8_is_the_norm_kernels_bit_for_bit(device, tiles, monk
 
 
 def test_router_tiles_env():
-    assert N.router_tiles(2880, 128) == (N.ROUTER_BLOCK_E, N.ROUTER_WARPS, 4)  # 90 blocks over 32 programs
+    assert N.router_tiles(2880, 128) == (2, N.ROUTER_WARPS, 2)  # 90 blocks over 64 programs
     import os
 
     for bad in ("3,4", "4,3", "4", "a,b", "4,4,3", "32,4,1"):
