@@ -99,6 +99,22 @@ def attn_fused_combine() -> bool:
     return V.env_int(ATTN_FUSED_COMBINE_ENV, 1) != 0
 
 
+# The fewest KV tokens a live split covers ($VLLM_SM121_ATTN_MIN_SPLIT_TOKENS, read at call time;
+# rounded up to whole KV tiles): the kernel cuts the KV a query tile sees into NUM_SPLITS parts of
+# max(ceil(tiles / NUM_SPLITS), this) tiles, so a graph captured with 64 splits (long contexts) runs
+# a short context on a few splits (the rest exit and only arrive at the merge's counter) rather than
+# on 64 one-tile splits whose partials the merge must then all read. 0: one tile (before this knob).
+ATTN_MIN_SPLIT_TOKENS_ENV = "VLLM_SM121_ATTN_MIN_SPLIT_TOKENS"
+ATTN_MIN_SPLIT_TOKENS = 0
+
+
+def min_split_tiles(tile_n: int) -> int:
+    n = V.env_int(ATTN_MIN_SPLIT_TOKENS_ENV, ATTN_MIN_SPLIT_TOKENS)
+    if n < 0:
+        raise ValueError(f"{ATTN_MIN_SPLIT_TOKENS_ENV}={n}: must be >= 0 (KV tokens; 0: one tile)")
+    return max(1, -(-n // tile_n))
+
+
 @dataclasses.dataclass
 class SplitWorkspace:
     """Persistent partial-result buffers for the split-KV path (allocate once for CUDA graphs)."""
@@ -390,6 +406,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
         and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
+        MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1 and not fused:

@@ -196,6 +196,38 @@ def test_fused_split_merge_equals_the_merge_launch(device, q_lens, seq_lens, spl
                         workspace=bad, **kw)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("min_tokens", [48, 100])
+@pytest.mark.parametrize("q_lens,seq_lens,splits,window", [
+    ((1, 1, 1), (1, 200, 40), 8, None),
+    ((1, 1), (300, 7), 4, 16),
+    ((1, 1), (1100, 90), 64, None),  # the graph's 64 splits: 1100 tokens on few live splits
+])
+def test_min_split_tokens_keep_the_output(device, q_lens, seq_lens, splits, window, min_tokens, monkeypatch):
+    """$VLLM_SM121_ATTN_MIN_SPLIT_TOKENS puts short contexts on fewer live splits: the fused merge and
+    the merge launch both give the reference's output (and the counters end at 0)."""
+    PA = importlib.import_module("vllm_sm121.kernels.paged_attention")
+
+    b = make_paged_batch(list(q_lens), list(seq_lens), num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                         kv_dtype=torch.bfloat16, sliding_window=window, device=device, seed=5)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(6)).to(device)
+    kw = dict(scale=0.125, sliding_window=window, sinks=sink, k_scale=b.k_scale, v_scale=b.v_scale)
+    ws = SplitWorkspace.allocate(b.q.shape[0], 8, splits, 64, device)
+    monkeypatch.setenv(PA.ATTN_MIN_SPLIT_TOKENS_ENV, str(min_tokens))
+    ref = paged_attention_torch(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens, **kw)
+    n = int(b.query_start_loc[-1])
+    for fused in ("1", "0"):
+        monkeypatch.setenv(PA.ATTN_FUSED_COMBINE_ENV, fused)
+        out = paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                              max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, num_splits=splits,
+                              workspace=ws, **kw)
+        assert_close(out[:n], ref[:n], what=f"min split tokens {min_tokens}, fused merge {fused}")
+    assert int(ws.cnt.abs().sum()) == 0
+    monkeypatch.setenv(PA.ATTN_MIN_SPLIT_TOKENS_ENV, "-1")
+    with pytest.raises(ValueError, match=PA.ATTN_MIN_SPLIT_TOKENS_ENV):
+        PA.min_split_tiles(16)
+
+
 def test_fused_split_merge_switch(monkeypatch):
     """$VLLM_SM121_ATTN_FUSED_COMBINE: on unless 0; anything but an integer is refused by name."""
     PA = importlib.import_module("vllm_sm121.kernels.paged_attention")  # the module (the package exports the function)

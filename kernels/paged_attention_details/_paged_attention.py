@@ -252,6 +252,7 @@ def _paged_attention_kernel(
     NVFP4_WORDS: tl.constexpr,  # nvfp4: 32-bit word loads, e4m3-byte decode (inline PTX with NVFP4_ASM), V as V^T
     SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
     FUSED_COMBINE: tl.constexpr = False,  # NUM_SPLITS > 1: the tile's last split merges (no combine launch)
+    MIN_SPLIT_TILES: tl.constexpr = 1,  # NUM_SPLITS > 1: the fewest KV tiles a live split covers
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -310,7 +311,7 @@ def _paged_attention_kernel(
     tile_lo = kv_begin // TILE_N
     tile_hi = tl.cdiv(kv_end, TILE_N)
     if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, NUM_SPLITS), MIN_SPLIT_TILES)
         live_splits = tl.cdiv(tile_hi - tile_lo, tl.maximum(per_split, 1))  # the others see no KV
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
