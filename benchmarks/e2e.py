@@ -236,6 +236,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-kvqkv", _all_on(),
            "sm121-all-moe + the k / v heads written to the nvfp4 KV cache by the qkv GEMV (opt-in)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_KV_IN_QKV", "1"))),
+    Config("sm121-all-moe-minsplit", _all_on(),
+           "sm121-all-moe with live attention splits of >= $E2E_MIN_SPLIT_TOKENS (default 128) KV tokens",
+           **OFF, env=(MOE_ON, ("VLLM_SM121_ATTN_MIN_SPLIT_TOKENS", os.environ.get("E2E_MIN_SPLIT_TOKENS", "128")))),
     # A/B against the defaults that stop 27 switched on: the rotation inside the qkv GEMV, the
     # MoE's routing / combine inside FC1 / FC2 at one token, the attention's split merge in-kernel.
     Config("sm121-all-moe-stop26", _all_on(),
