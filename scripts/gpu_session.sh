@@ -139,9 +139,10 @@ for step in "$@"; do
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
-    profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes
+    profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4" "pluginkv|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes (pluginkv: with VLLM_SM121_KV_IN_QKV=1)
                    tag=${a%%|*}; case " ${PROFILE120B_SET:-upstream plugin} " in *" $tag "*) ;; *) continue ;; esac
-                   python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
+                   [ "$tag" = pluginkv ] && kvq=1 || kvq=${VLLM_SM121_KV_IN_QKV:-0}
+                   VLLM_SM121_KV_IN_QKV=$kvq python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
                      --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; r=$?; echo "--- profile 120b $tag: rc $r"
                    if [ $r = 0 ]; then sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; else fail=1; tail -n 40 "$OUT/profile_120b_$tag.log"; fi
                  done; (exit $fail) ;;
