@@ -265,6 +265,27 @@ def _paged_attention_kernel(
         return
     ctx_len = seq_len - q_len
 
+    # KV positions this block of queries can see (a query sees at least itself: >= 1 tile).
+    first_q_pos = ctx_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
+    if SLIDING_WINDOW > 0:
+        kv_begin = tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0)
+    else:
+        kv_begin = 0
+    tile_lo = kv_begin // TILE_N
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, NUM_SPLITS), MIN_SPLIT_TILES)
+        live_splits = tl.cdiv(tile_hi - tile_lo, per_split)  # the others see no KV
+        if FUSED_COMBINE:
+            # The fused merge reads (and its counter waits for) the live splits only: a split that
+            # sees no KV stops here, before its q loads (a graph captured with 64 splits runs a
+            # short context's few, not 64 programs per KV head).
+            if split >= live_splits:
+                return
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     q_tok = q_block * BLOCK_Q + offs_m // NUM_Q_PER_KV  # token index inside the sequence
@@ -301,20 +322,6 @@ def _paged_attention_kernel(
     acc_even = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
 
-    # KV positions this block of queries can see.
-    first_q_pos = ctx_len + q_block * BLOCK_Q
-    kv_end = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
-    if SLIDING_WINDOW > 0:
-        kv_begin = tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0)
-    else:
-        kv_begin = 0
-    tile_lo = kv_begin // TILE_N
-    tile_hi = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, NUM_SPLITS), MIN_SPLIT_TILES)
-        live_splits = tl.cdiv(tile_hi - tile_lo, tl.maximum(per_split, 1))  # the others see no KV
-        tile_lo = tile_lo + split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     qk_scale = sm_scale
     if KV_FP8 or KV_NVFP4:
@@ -468,7 +475,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + row_split * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row_split * 2 + 1, l_i, mask=row_ok)
         if FUSED_COMBINE:
-            if last_to_arrive(cnt_ptr, q_block_global * tl.num_programs(1) + kv_head, NUM_SPLITS):
+            if last_to_arrive(cnt_ptr, q_block_global * tl.num_programs(1) + kv_head, live_splits):
                 _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, row_split - split,
                               q_rows, q_head, row_ok, d_ok, live_splits, stride_o_t, stride_o_h, BLOCK_M, HEAD_PAD,
                               NUM_SPLITS, USE_SINKS, KV_FP8 or KV_NVFP4)
