@@ -102,8 +102,10 @@ def attn_fused_combine() -> bool:
 # The fewest KV tokens a live split covers ($VLLM_SM121_ATTN_MIN_SPLIT_TOKENS, read at call time;
 # rounded up to whole KV tiles): the kernel cuts the KV a query tile sees into NUM_SPLITS parts of
 # max(ceil(tiles / NUM_SPLITS), this) tiles, so a graph captured with 64 splits (long contexts) runs
-# a short context on a few splits (the rest exit and only arrive at the merge's counter) rather than
-# on 64 one-tile splits whose partials the merge must then all read. 0: one tile (before this knob).
+# a short context on a few splits (with the fused merge the rest exit at once, without arriving at
+# its counter) rather than on up to 64 one-tile splits whose partials the merge must then all read.
+# 0: one tile (before this knob). H200, 2981c45: 128 gave no gain (120b batch 1 415.4 vs 425.6
+# tok/s; docs/logs/minsplit-h200-2981c45.log), so the default stays 0.
 ATTN_MIN_SPLIT_TOKENS_ENV = "VLLM_SM121_ATTN_MIN_SPLIT_TOKENS"
 ATTN_MIN_SPLIT_TOKENS = 0
 
