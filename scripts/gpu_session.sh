@@ -113,6 +113,12 @@ for step in "$@"; do
                   --ctx "${MINSPLIT_CTX:-128,512,2048,8192}" --batch 1,8 --window 128 --sm121-split-seq-len 4096 \
                   --out "$OUT/attention_minsplit_$n.json" 2>&1 | grep -E "^decode|refcheck"; done ;;
     splittests) python3 -m pytest -q -m "gpu or interpreter" tests/test_paged_attention.py tests/test_fp4_kv.py -k "split or graph or nvfp4_pages" -p no:cacheprovider 2>&1 | tail -n 4 | tee "$OUT/splittests.log" ;;
+    attnncu) ncu --clock-control none -k "regex:_paged_attention_kernel" --launch-count ${NCU_COUNT:-4} \
+               --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+               --section MemoryWorkloadAnalysis --section SourceCounters \
+               python3 benchmarks/attention.py --kinds decode --providers sm121 --kv-dtype nvfp4 --ctx "${NCU_CTX:-128}" --batch 1 \
+                 --window 128 --sm121-split-seq-len 4096 --reps 1 --no-refcheck --out "$OUT/attention_ncu.json" > "$OUT/attnncu.log" 2>&1
+             grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Grid Size|Waves Per SM" "$OUT/attnncu.log" | head -n 60 ;;  # the short-context decode attention under a 4k graph's 64 splits
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
            grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
            python3 benchmarks/e2e.py --model models/gpt-oss-120b --configs sm121-all-moe,sm121-all-moe-kvqkv ${E2E_ARGS:-} --out "$OUT/e2e_120b_kvqkv.json" 2>&1 | tee "$OUT/e2e_120b_kvqkv.log" | tail -n 12; (exit $r) ;;
