@@ -213,8 +213,8 @@ def norm_specs(family: str) -> list[Spec]:
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
                                 q_ptr="*u8", s_ptr="*u8"), num_warps=4),
             Spec(name="add_rmsnorm_mxfp8_router[H2880,E128]", fn=_add_rmsnorm_mxfp8_router_kernel,
-                 constexprs=dict(H=2880, E=128, BLOCK_H=4096, BLOCK_E=router_tiles(2880, 128)[0],
-                                 QBLOCKS=router_tiles(2880, 128)[2]),
+                 constexprs=dict(H=2880, E=128, BLOCK_H=4096,
+                                 **dict(zip(("BLOCK_E", "QBLOCKS"), router_tiles(2880, 128)[::2]))),
                  ptr_types=dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", rw_ptr="*bf16", rb_ptr="*bf16",
                                 res_out_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", g_ptr="*bf16"), num_warps=4)]
 

@@ -26,8 +26,8 @@ Architecture
     ``rotary_emb``, the model hook's default since stop 27): the FMA kernel with ROPE pairs each
     program's rows inside one head's NeoX halves and rotates in its epilogue; other paths rotate
     after the GEMM (``rope_neox_``, also the reference). Kernel tests passed on an H200 (0f84732).
-    Its opt-in ``kv_write`` (also the nvfp4 KV-cache write, by each k / v head's last program) is
-    interpreter-tested only.
+    Its opt-in ``kv_write`` (also the nvfp4 KV-cache write, by each k / v head's last program):
+    kernel tests passed on an H100 (2c4837a) and an H200 (006c509).
 
     Batches and prefill may instead take vLLM's own W8A8 FP8 GEMM (``path="w8a8"``: per-token
     e4m3 activations from ``scaled_fp8_quant``, ``cutlass_scaled_mm`` on the same weights and
@@ -468,7 +468,7 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     the bf16 projection rotated with the cache rounded to bf16, fp32 arithmetic, one bf16 rounding.
 
     ``kv_write=(k_pages, v_pages, slot_mapping)`` (``Nvfp4Pages`` of Hkv heads, int64 slots, -1 =
-    skip; opt-in, not yet wired into the model nor run on a GPU): the output is gpt-oss's whole qkv
+    skip; opt-in: $VLLM_SM121_KV_IN_QKV=1 in the model hook): the output is gpt-oss's whole qkv
     (N = rope_rows + Hkv * head_size: q and k heads rotated, then the v heads), and each token's k
     and v heads are also written to the pages, the bytes ``fp4_kv_write`` writes. On the FMA path
     the GEMV does it: the program that finishes a head's rows last quantizes the head, so the cache

@@ -52,10 +52,12 @@ def router_tiles(h: int, e: int) -> tuple[int, int, int]:
             qblocks = vals[2] if len(vals) > 2 else 0
         except ValueError:
             vals = []
-        if len(vals) not in (2, 3) or e % block_e or block_e & (block_e - 1) or warps not in (1, 2, 4, 8, 16) or (
+        if len(vals) not in (2, 3) or block_e < 1 or e % block_e or block_e & (block_e - 1) or warps not in (1, 2, 4, 8, 16) or (
                 qblocks & (qblocks - 1)):
             raise ValueError(f"{NORM_ROUTER_TILES_ENV}={env!r}: expected block_e,warps[,qblocks] (block_e a power of "
                              f"two dividing {e}, warps in 1..16, qblocks a power of two)")
+    if e % block_e:
+        return block_e, warps, 0  # (no fused kernel: fused_add_rmsnorm_mxfp8_router takes the fallback)
     programs = e // block_e
     need = triton.next_power_of_2(triton.cdiv(h // MX_BLOCK, programs))
     if qblocks < need:
@@ -125,7 +127,8 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
     t, h = x.shape
     e = router_w.shape[0]
     res = torch.empty_like(x)
-    if t > ROUTER_FUSED_MAX_TOKENS or e % ROUTER_BLOCK_E:  # (the fallback ignores $VLLM_SM121_NORM_ROUTER_TILES)
+    block_e, warps, qblocks = router_tiles(h, e)
+    if t > ROUTER_FUSED_MAX_TOKENS or e % block_e:
         y, q, s = fused_add_rmsnorm_mxfp8(x, residual, weight, eps, residual_out=res)
         return res, q, s, torch.nn.functional.linear(y, router_w, router_b)
     q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
@@ -133,7 +136,6 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
     g = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
     if t:
         block_h = triton.next_power_of_2(h)
-        block_e, warps, qblocks = router_tiles(h, e)
         _add_rmsnorm_mxfp8_router_kernel[(t, e // block_e)](
             x, residual, weight, router_w, router_b, res, q, s, g, float(eps), x.stride(0), residual.stride(0),
             router_w.stride(0), res.stride(0), q.stride(0), s.stride(0), g.stride(0), H=h, E=e, BLOCK_H=block_h,

@@ -322,7 +322,6 @@ def _paged_attention_kernel(
     acc_even = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
 
-
     qk_scale = sm_scale
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
