@@ -239,6 +239,14 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-minsplit", _all_on(),
            "sm121-all-moe with live attention splits of >= $E2E_MIN_SPLIT_TOKENS (default 128) KV tokens",
            **OFF, env=(MOE_ON, ("VLLM_SM121_ATTN_MIN_SPLIT_TOKENS", os.environ.get("E2E_MIN_SPLIT_TOKENS", "128")))),
+    # L2 prefetch of the next GEMV's weights (kernels/l2_prefetch.py): the attention prefetches o_proj;
+    # "-l2": the targets in $E2E_L2_PREFETCH (default: o, the next qkv by FC2 and FC2's rows by FC1, late)
+    Config("sm121-all-moe-l2o", _all_on(),
+           "sm121-all-moe + the attention kernel prefetching o_proj's weight into L2", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", "o"))),
+    Config("sm121-all-moe-l2", _all_on(),
+           "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),
     # A/B against the defaults that stop 27 switched on: the rotation inside the qkv GEMV, the
     # MoE's routing / combine inside FC1 / FC2 at one token, the attention's split merge in-kernel.
     Config("sm121-all-moe-stop26", _all_on(),

@@ -173,6 +173,11 @@ def attention_specs(family: str) -> list[Spec]:
                            query_start_loc_ptr="*i32"),
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         ))
+    # the 120b default decode with the o_proj weight prefetched into L2 (VLLM_SM121_L2_PREFETCH=o)
+    base = specs[-1]
+    specs.append(dataclasses.replace(base, name=base.name[:-1] + ",l2-prefetch]",
+                                     constexprs=dict(base.constexprs, PF=True, PF_LANES=128, PF_LINE=128),
+                                     ptr_types=dict(base.ptr_types, pf_ptr="*u8")))
     specs.append(Spec(
         name="combine_splits[d64,sinks]", fn=_combine_splits_kernel,
         constexprs=dict(HEAD_SIZE=64, HEAD_PAD=64, NUM_SPLITS=8, USE_SINKS=True, KV_FP8=True),
@@ -284,6 +289,11 @@ def moe_specs(family: str) -> list[Spec]:
         specs.append(dataclasses.replace(  # FC2 with the combine inside (VLLM_SM121_MOE_FUSED_COMBINE=1)
             fc2_spec, name=fc2_spec.name[:-1] + ", fused combine]", constexprs=dict(fc2_spec.constexprs, COMBINE=True),
             ptr_types=dict(fc2_spec.ptr_types, out_ptr="*bf16", cnt_ptr="*i32")))
+        if nt == 1:  # the L2 prefetches (VLLM_SM121_L2_PREFETCH=w2_late / qkv_late): FC2's rows, the next qkv
+            for spec, ptrs in ((fc1_spec, dict(pf_ptr="*u8", pfs_ptr="*u8")), (fc2_spec, dict(pf_ptr="*u8"))):
+                specs.append(dataclasses.replace(
+                    spec, name=spec.name[:-1] + ", l2 prefetch]", ptr_types=dict(spec.ptr_types, **ptrs),
+                    constexprs=dict(spec.constexprs, PF=True, PF_LATE=True, PF_LANES=128, PF_LINE=128)))
         if nt == 1:  # FC1 routing the tokens itself (VLLM_SM121_MOE_FUSED_ROUTE=1)
             specs.append(dataclasses.replace(
                 fc1_spec, name=fc1_spec.name[:-1] + ", fused routing]",

@@ -73,6 +73,7 @@ import triton
 from vllm_sm121 import platform as _platform
 
 from . import _validate as V
+from . import l2_prefetch
 from .moe_details._moe_align import _moe_align_kernel
 from .moe_details._moe_fc1 import _moe_fc1_swiglu_kernel
 from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
@@ -403,7 +404,8 @@ def _check_fma_tokens(m: int) -> None:
 def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor,
                        bias: torch.Tensor, topk_ids: torch.Tensor,
                        tiles: FmaTiles | None = None,
-                       route: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       route: tuple | None = None, l2_w2: tuple | None = None,
+                       l2_late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_fc1_swiglu`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and numbers).
 
     Grid (routed slot, fc1_rows-row tile): each routed expert's rows are streamed once, as
@@ -412,6 +414,10 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
     ``route`` = (router_logits [M, E_global], expert_map or None, topk_weights out fp32 [M, topk]):
     the kernel routes the tokens itself (exactly ``moe_route``'s ids and weights) and writes them
     to ``topk_ids`` (then an output, int32 [M, topk]) and topk_weights for FC2: one launch fewer.
+
+    ``l2_w2`` = (w2, w2_scale) of the same experts ([E, ...] each, contiguous): each routed
+    expert's programs prefetch its FC2 rows into L2 (``l2_prefetch``; before their own weight
+    stream, or after it with ``l2_late``). GPU only; the results do not change.
     """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     _check_fma_tokens(m)
@@ -444,16 +450,25 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
         route_kw = dict(ROUTE=True, E_ROUTE=e_route, E_PAD=triton.next_power_of_2(e_route), HAS_MAP=emap is not None)
     else:
         route_args, route_kw = (topk_ids, topk_ids, topk_ids, 0), {}
+    pf_w, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_w2[0] if l2_w2 else None, a)
+    pf_s, pfs_bytes, _ = l2_prefetch.launch_args(l2_w2[1] if l2_w2 else None, a)
+    if pf_kw["PF"]:
+        if l2_w2[0].shape[0] != e or l2_w2[1].shape[0] != e:
+            raise ValueError(f"l2_w2: FC2 weights of the same {e} experts expected, got {tuple(l2_w2[0].shape)} and "
+                             f"{tuple(l2_w2[1].shape)}")
+        pf_bytes, pfs_bytes = pf_bytes // e, pfs_bytes // e
+        pf_kw["PF_LATE"] = l2_late
     if m:
         w_words = w13.view(torch.int32)
         _moe_fc1_swiglu_fma_kernel[(m * topk, n_tiles, split)](
             a.view(torch.uint8).view(torch.int32), a_scale, w_words, w13_scale, bias, topk_ids, out,
-            out_scale, ws, cnt, _weight_desc(w_words, rows, block_g) if tma else None, *route_args, m, E=e, K=k, I=i,
+            out_scale, ws, cnt, _weight_desc(w_words, rows, block_g) if tma else None, *route_args, m, pf_w, pf_bytes,
+            pf_s, pfs_bytes, E=e, K=k, I=i,
             TOPK=topk,
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
             LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
-            SCALES_AHEAD=scales_ahead(), **route_kw,
+            SCALES_AHEAD=scales_ahead(), **route_kw, **pf_kw,
             num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
@@ -517,9 +532,12 @@ def fc2_split_k(i: int, block_g: int, want: int) -> tuple[int, int]:
 
 def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                         bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        tiles: FmaTiles | None = None) -> torch.Tensor:
+                        tiles: FmaTiles | None = None, l2_next: torch.Tensor | None = None,
+                        l2_late: bool = False) -> torch.Tensor:
     """``moe_fc2_combine`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and
-    numbers): the FMA GEMV writes the fp32 partials per (token, slot), ``_moe_combine_kernel`` sums them."""
+    numbers): the FMA GEMV writes the fp32 partials per (token, slot), ``_moe_combine_kernel`` sums them.
+    ``l2_next``: a contiguous tensor (the next layer's qkv weight) its programs prefetch into L2, first
+    thing or (``l2_late``) after their own weight stream (``l2_prefetch``; GPU only, results unchanged)."""
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     _check_fma_tokens(m)
     tiles = tiles or fma_tiles(h, m)
@@ -534,15 +552,19 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     n_tiles = -(-hidden // rows)
     combine = fused_combine(m)
     cnt = split_counters(h.device, n_tiles, "fc2") if combine and m else part
+    pf, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_next, h)
+    if pf_kw["PF"]:
+        pf_kw["PF_LATE"] = l2_late
     if m:
         w_words = w2.view(torch.int32)
         _moe_fc2_fma_kernel[(m * topk, n_tiles, split)](
             h.view(torch.uint8).view(torch.int32), h_scale, w_words, w2_scale, bias, topk_ids,
-            topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, out, cnt, m, E=e, H=hidden,
+            topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, out, cnt, m, pf, pf_bytes,
+            E=e, H=hidden,
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
             BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
             SCALES_AHEAD=scales_ahead(),
-            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h))
+            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h), **pf_kw)
     if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
@@ -914,6 +936,18 @@ DECODE_MAX_TOKENS = 4
 PATHS = ("auto", "fma", "decode", "grouped")
 
 
+@dataclasses.dataclass(frozen=True)
+class L2Plan:
+    """L2 prefetches of ``moe_block``'s one-chunk FMA path (``l2_prefetch``): FC2 prefetches
+    ``next_weight`` (the next layer's qkv weight; after its own stream with ``next_late``); with
+    ``w2``, FC1 prefetches the routed experts' FC2 rows (after its own stream with ``w2_late``)."""
+
+    next_weight: torch.Tensor | None = None
+    next_late: bool = False
+    w2: bool = False
+    w2_late: bool = False
+
+
 def select_path(m: int) -> str:
     """The path ``moe_block(path="auto")`` takes for M tokens (from M alone: graph-capturable)."""
     fma_max = min(V.env_int(FMA_MAX_TOKENS_ENV, FMA_MAX_TOKENS), FMA_KERNEL_MAX_TOKENS)
@@ -926,7 +960,7 @@ def select_path(m: int) -> str:
 def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
               w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w2_bias: torch.Tensor, topk: int,
               x_scale: torch.Tensor | None = None, path: str = "auto",
-              expert_map: torch.Tensor | None = None) -> torch.Tensor:
+              expert_map: torch.Tensor | None = None, l2: L2Plan | None = None) -> torch.Tensor:
     """gpt-oss routed experts: bf16 [M, H] = sum over the top-k experts of w_j * FFN_j(x).
 
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
@@ -939,6 +973,8 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     bias on one rank only, as vLLM loads it); under expert parallelism they are the rank's experts
     and ``expert_map`` ([E] int32, global -> local or -1; ``moe_route``) routes. Either way the
     result is this rank's share, summed across ranks by the caller's all-reduce.
+
+    ``l2``: L2 prefetches of the one-chunk FMA path (``L2Plan``; ignored by the other paths).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
@@ -961,9 +997,12 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
             for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
                 sl = slice(c, c + FMA_KERNEL_MAX_TOKENS)
                 tiles = fma_tiles(x, x[sl].shape[0])
+                pf = l2 if l2 is not None and m <= FMA_KERNEL_MAX_TOKENS else L2Plan()
                 h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles,
-                                                route=(router_logits, expert_map, topk_w) if fuse else None)
-                outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles))
+                                                route=(router_logits, expert_map, topk_w) if fuse else None,
+                                                l2_w2=(w2, w2_scale) if pf.w2 else None, l2_late=pf.w2_late)
+                outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles,
+                                                l2_next=pf.next_weight, l2_late=pf.next_late))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
         return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)

@@ -38,6 +38,7 @@ import torch
 from vllm_sm121 import platform as _platform
 
 from . import _validate as V
+from . import l2_prefetch
 from ._validate import _dummy, _next_pow2
 from .fp4_kv import Nvfp4Pages
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
@@ -211,13 +212,16 @@ def paged_attention(
     workspace: SplitWorkspace | None = None,
     tile: _platform.AttnTile | None = None,
     check: bool = True,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [T, Hq, D] against paged KV; returns ``out`` [T, Hq, D].
 
     Rows of ``out`` past ``query_start_loc[-1]`` (graph padding) are left untouched.
     ``tile`` overrides the per-architecture tile table (tuning, tests). ``check=False`` skips
     argument validation (~25 µs of host time a call): only for callers that validated the same
-    layer's arguments before (the SM121 backend does on each layer's first call).
+    layer's arguments before (the SM121 backend does on each layer's first call). ``prefetch``: a
+    contiguous tensor whose bytes the kernel's programs prefetch into L2 for the kernel after it
+    (``l2_prefetch``; GPU only, results unchanged).
     """
     kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
     if not check:
@@ -229,12 +233,12 @@ def paged_attention(
                            kv_fp8=False, kv_nvfp4=True, k_scale=key_cache.global_scale,
                            v_scale=value_cache.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
                            scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
-                           num_splits=num_splits, workspace=workspace, tile=tile)
+                           num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch)
         return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
                        kv_fp8=key_cache.dtype in V.FP8_DTYPES, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale,
                        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
                        sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
-                       num_splits=num_splits, workspace=workspace, tile=tile)
+                       num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch)
     # ---- validation ---------------------------------------------------------------------------
     if kv_nvfp4 != isinstance(value_cache, Nvfp4Pages):
         raise ValueError("key_cache and value_cache must both be Nvfp4Pages or both be tensors")
@@ -242,7 +246,7 @@ def paged_attention(
         return _paged_attention_nvfp4(q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                       max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
                                       sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
-                                      num_splits=num_splits, workspace=workspace, tile=tile)
+                                      num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch)
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
     V.check_ndim("key_cache", key_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
     V.check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
@@ -272,7 +276,7 @@ def paged_attention(
     return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
                    kv_fp8=kv_fp8, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len,
                    max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, softcap=softcap,
-                   sinks=sinks, out=out, num_splits=num_splits, workspace=workspace, tile=tile)
+                   sinks=sinks, out=out, num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch)
 
 
 def _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, sliding_window, softcap, sinks, out):
@@ -306,7 +310,7 @@ def _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, slidi
 
 def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_start_loc, seq_lens, *,
                            max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out, num_splits,
-                           workspace, tile):
+                           workspace, tile, prefetch=None):
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
     V.check_dtype("q", q, V.ACT_DTYPES)
     head_size = q.shape[2]
@@ -321,7 +325,7 @@ def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_s
                    query_start_loc, seq_lens, kv_fp8=False, kv_nvfp4=True, k_scale=k.global_scale,
                    v_scale=v.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
                    sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out, num_splits=num_splits,
-                   workspace=workspace, tile=tile)
+                   workspace=workspace, tile=tile, prefetch=prefetch)
 
 
 def _word_aligned(*pages: torch.Tensor) -> bool:
@@ -331,7 +335,7 @@ def _word_aligned(*pages: torch.Tensor) -> bool:
 
 def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_start_loc, seq_lens, *, kv_fp8,
             kv_nvfp4, k_scale, v_scale, max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out,
-            num_splits, workspace, tile):
+            num_splits, workspace, tile, prefetch=None):
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -387,6 +391,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     # (_locate); a power of two >= 16 (few specialisations). Prefill keeps the binary search: its
     # programs amortize it, and the lookup costs the prefill tile registers (sm_90a: 157 -> 206, one
     # program fewer per SM; decode 92 -> 112, where shared memory already allows only 2 per SM).
+    pf_ptr, pf_bytes, pf_kw = l2_prefetch.launch_args(prefetch, q)
     seq_chunk = max(16, _next_pow2(num_seqs)) if kind.startswith("decode") and num_seqs <= SEQ_CHUNK_MAX else 0
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, workspace.cnt if fused else dummy, q, key_cache, value_cache, k_bs, v_bs,
@@ -397,7 +402,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         k_bs.stride(0) if kv_nvfp4 else 0, k_bs.stride(1) if kv_nvfp4 else 0,
         v_bs.stride(0) if kv_nvfp4 else 0, v_bs.stride(1) if kv_nvfp4 else 0,
-        block_table.stride(0),
+        block_table.stride(0), pf_ptr, pf_bytes,
         NUM_Q_PER_KV=num_q_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
         SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=softcap is not None,
@@ -408,7 +413,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
         and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
-        MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1,
+        MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1 and not fused:

@@ -119,6 +119,7 @@ for step in "$@"; do
                python3 benchmarks/attention.py --kinds decode --providers sm121 --kv-dtype nvfp4 --ctx "${NCU_CTX:-128}" --batch 1 \
                  --window 128 --sm121-split-seq-len 4096 --reps 1 --no-refcheck --out "$OUT/attention_ncu.json" > "$OUT/attnncu.log" 2>&1
              grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Grid Size|Waves Per SM" "$OUT/attnncu.log" | head -n 60 ;;  # the short-context decode attention under a 4k graph's 64 splits
+    l2tests) python3 -m pytest -q -m "gpu or interpreter" tests/test_l2_prefetch.py -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/l2tests.log" ;;  # prefetch placements: bit-identical outputs
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
            grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
            python3 benchmarks/e2e.py --model models/gpt-oss-120b --configs sm121-all-moe,sm121-all-moe-kvqkv ${E2E_ARGS:-} --out "$OUT/e2e_120b_kvqkv.json" 2>&1 | tee "$OUT/e2e_120b_kvqkv.log" | tail -n 12; (exit $r) ;;
@@ -146,10 +147,11 @@ for step in "$@"; do
                echo "--- profile $tag ($args, fast path $fp): rc $r" | tee -a "$OUT/profilewm.log"
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
-    profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4" "pluginkv|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes (pluginkv: with VLLM_SM121_KV_IN_QKV=1)
+    profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4" "pluginkv|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4" "pluginl2|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes (pluginkv: with VLLM_SM121_KV_IN_QKV=1; pluginl2: with VLLM_SM121_L2_PREFETCH=${PROFILE_L2:-o,qkv_late,w2_late})
                    tag=${a%%|*}; case " ${PROFILE120B_SET:-upstream plugin} " in *" $tag "*) ;; *) continue ;; esac
                    [ "$tag" = pluginkv ] && kvq=1 || kvq=${VLLM_SM121_KV_IN_QKV:-0}
-                   VLLM_SM121_KV_IN_QKV=$kvq python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
+                   [ "$tag" = pluginl2 ] && l2=${PROFILE_L2:-o,qkv_late,w2_late} || l2=${VLLM_SM121_L2_PREFETCH:-}
+                   VLLM_SM121_KV_IN_QKV=$kvq VLLM_SM121_L2_PREFETCH=$l2 python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
                      --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; r=$?; echo "--- profile 120b $tag: rc $r"
                    if [ $r = 0 ]; then sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; else fail=1; tail -n 40 "$OUT/profile_120b_$tag.log"; fi
                  done; (exit $fail) ;;

@@ -238,9 +238,14 @@ def test_configs_table():
                                                       "VLLM_SM121_ATTN_MIN_SPLIT_TOKENS": "128"}
     assert by["sm121-all-moe-minsplit"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     assert "sm121-all-moe-minsplit" not in e2e.DEFAULT_CONFIGS
+    assert dict(by["sm121-all-moe-l2o"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_L2_PREFETCH": "o"}
+    if "E2E_L2_PREFETCH" not in os.environ:
+        assert dict(by["sm121-all-moe-l2"].env)["VLLM_SM121_L2_PREFETCH"] == "o,qkv_late,w2_late"
+    assert by["sm121-all-moe-l2"].llm_kwargs == by["sm121-all-moe-l2o"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample", "sm121-all-moe-pdl", "sm121-all-moe-tma",
                  "sm121-all-moe-fused", "sm121-all-moe-f16x2", "sm121-all-moe-exact", "sm121-all-moe-rope",
-                 "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit")
+                 "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit", "sm121-all-moe-l2o",
+                 "sm121-all-moe-l2")
     assert dict(by["sm121-graph-a"].env) == {"VLLM_SM121_GRAPH_FAST_PATH": "0"}
     assert dict(by["sm121-graph-sample"].env) == {"VLLM_SM121_GRAPH_SAMPLE": "1"}
     assert "sm121-graph-sample" not in e2e.DEFAULT_CONFIGS

@@ -11,6 +11,7 @@ naming the option and what is supported -- never a silent fallback to stock beha
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from .envs import env_int
@@ -123,6 +124,8 @@ ROPE_IN_QKV_ENV = "VLLM_SM121_ROPE_IN_QKV"
 # With the rotation there and an nvfp4 KV cache on SM121: the qkv GEMV also writes the k / v heads to
 # the cache (no KV-write launch); opt-in (1): GPU-tested, no end-to-end gain measured (stop 28)
 KV_IN_QKV_ENV = "VLLM_SM121_KV_IN_QKV"
+# L2 prefetches of the next GEMV's weights (kernels/l2_prefetch.py): the MoE op's prefetch key is traced
+L2_PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -132,7 +135,8 @@ def _env_flag(name: str, default: bool) -> bool:
 def traced_env_choices() -> dict[str, Any]:
     """The environment's choices that change the traced gpt-oss graph (read now)."""
     return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True),
-            "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False)}
+            "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False),
+            "l2_prefetch": os.environ.get(L2_PREFETCH_ENV, "").strip()}
 
 
 def record_traced_choices(vllm_config: Any) -> dict[str, Any] | None:

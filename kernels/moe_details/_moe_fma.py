@@ -51,6 +51,7 @@ first weights).
 import triton
 import triton.language as tl
 
+from .._prefetch import prefetch_l2, prefetch_l2_grid
 from .._sync import last_to_arrive as _last_to_arrive
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, to_bf16_rne
 from ._moe_route import route_rows
@@ -119,6 +120,16 @@ def _dot8_f16(p0, p1, p2, p3, a0, a1, a2, a3):
         mov.b32 {x, y}, s; add.rn.f16 x, x, y; cvt.f32.f16 $0, x; }""",
         constraints="=f,r,r,r,r,r,r,r,r", args=[p0, p1, p2, p3, a0, a1, a2, a3], dtype=tl.float32,
         is_pure=True, pack=1)
+
+
+@triton.jit
+def _prefetch_expert(pf_ptr, pf_bytes, pfs_ptr, pfs_bytes, expert, LANES: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch of expert ``expert``'s slice of two per-expert arrays (pf_bytes / pfs_bytes each),
+    shared by the programs of grid axes 1 and 2 (the expert's row tiles and K splits)."""
+    n = tl.num_programs(1) * tl.num_programs(2)
+    part = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    prefetch_l2(pf_ptr + expert.to(tl.int64) * pf_bytes, pf_bytes, part, n, LANES, LINE)
+    prefetch_l2(pfs_ptr + expert.to(tl.int64) * pfs_bytes, pfs_bytes, part, n, LANES, LINE)
 
 
 @triton.jit
@@ -317,6 +328,10 @@ def _moe_fc1_swiglu_fma_kernel(
     expert_map_ptr,  # ROUTE and HAS_MAP: [E_ROUTE] int32 global -> local expert id or -1
     stride_l,  # ROUTE: the logits' row stride
     M,  # tokens (<= NT)
+    pf_ptr,  # PF: uint8 [E, pf_bytes]: per-expert bytes (FC2's weights) to prefetch into L2 for the next launch
+    pf_bytes,
+    pfs_ptr,  # PF: uint8 [E, pfs_bytes]: a second such array (FC2's weight scales)
+    pfs_bytes,
     E: tl.constexpr,
     K: tl.constexpr,  # multiple of 64
     I: tl.constexpr,  # multiple of BLOCK_R / 2
@@ -340,6 +355,10 @@ def _moe_fc1_swiglu_fma_kernel(
     E_PAD: tl.constexpr = 1,  # ROUTE: power of two >= E_ROUTE
     HAS_MAP: tl.constexpr = False,  # ROUTE: expert parallelism (expert_map_ptr)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
+    PF: tl.constexpr = False,  # L2 prefetch of the routed experts' pf / pfs slices (kernels/l2_prefetch.py)
+    PF_LATE: tl.constexpr = False,  # ... after this program's own weight stream instead of before it
+    PF_LANES: tl.constexpr = 128,
+    PF_LINE: tl.constexpr = 128,
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
         pdl_wait_then_release()
@@ -362,6 +381,8 @@ def _moe_fc1_swiglu_fma_kernel(
         expert, first, uses, slot, _hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
     if not first:
         return
+    if PF and not PF_LATE:
+        _prefetch_expert(pf_ptr, pf_bytes, pfs_ptr, pfs_bytes, expert, PF_LANES, PF_LINE)
     nb = tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
     u0, t0, s0 = _user(uses, slot, offs_t, 0)
@@ -380,6 +401,8 @@ def _moe_fc1_swiglu_fma_kernel(
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
                                   u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
                                   w_desc=w_desc, row0=row0, TMA=TMA, SCALES_AHEAD=SCALES_AHEAD)
+    if PF and PF_LATE:
+        _prefetch_expert(pf_ptr, pf_bytes, pfs_ptr, pfs_bytes, expert, PF_LANES, PF_LINE)
     if SPLIT > 1:
         tile = p * tl.num_programs(1) + nb
         last, h0, h1, h2, h3 = _split_fixup(h0, h1, h2, h3, ws_ptr, cnt_ptr, tile, split, NT, BLOCK_R, SPLIT)
@@ -466,6 +489,8 @@ def _moe_fc2_fma_kernel(
     out_ptr,  # COMBINE: [M, H] bf16, the block's output (the last program of each row tile sums the partials)
     cnt_ptr,  # COMBINE: [H / BLOCK_R] int32 arrival counters, zero before and after each launch
     M,
+    pf_ptr,  # PF: uint8 bytes to prefetch into L2 for a later kernel (the next layer's qkv weight)
+    pf_bytes,
     E: tl.constexpr,
     H: tl.constexpr,
     I: tl.constexpr,  # multiple of 64
@@ -483,12 +508,20 @@ def _moe_fc2_fma_kernel(
     TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
     COMBINE: tl.constexpr = False,  # sum the partials into out_ptr here (no combine launch)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
+    PF: tl.constexpr = False,  # L2 prefetch of pf_ptr's bytes, shared by every program (kernels/l2_prefetch.py)
+    PF_LATE: tl.constexpr = False,  # ... after the program's own weight stream instead of first thing
+    PF_LANES: tl.constexpr = 128,
+    PF_LINE: tl.constexpr = 128,
 ):
     p = tl.program_id(0)
+    if PF and not PF_LATE:
+        prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
     if p >= M * TOPK:  # (a program that exits releases the next launch as a wait would)
         return
     expert, first, uses, slot, hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
     if not first:
+        if PF and PF_LATE:
+            prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
         if COMBINE:  # a duplicate slot still counts itself in on its row tile
             _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R)
         return
@@ -515,6 +548,8 @@ def _moe_fc2_fma_kernel(
                                   I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
                                   row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA,
                                   SCALES_AHEAD=SCALES_AHEAD)
+    if PF and PF_LATE:
+        prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
     if NT > 2:
         bias, rw0, rw1 = _fc2_epilogue_inputs(bias_ptr, w_rows, split, topk_w_ptr, hit, offs_t, t0, t1, offs_j,
                                               TOPK, SPLIT)

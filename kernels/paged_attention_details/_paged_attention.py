@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
+from .._prefetch import prefetch_l2_grid
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 
@@ -232,6 +233,8 @@ def _paged_attention_kernel(
     stride_vb_b: tl.int64,
     stride_vb_h: tl.int64,
     stride_bt: tl.int64,
+    pf_ptr,  # PF: uint8 bytes to prefetch into L2 for the next kernel (kernels/l2_prefetch.py)
+    pf_bytes,  # PF: their count
     NUM_Q_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -253,10 +256,15 @@ def _paged_attention_kernel(
     SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
     FUSED_COMBINE: tl.constexpr = False,  # NUM_SPLITS > 1: the tile's last split merges (no combine launch)
     MIN_SPLIT_TILES: tl.constexpr = 1,  # NUM_SPLITS > 1: the fewest KV tiles a live split covers
+    PF: tl.constexpr = False,  # L2 prefetch of pf_ptr's bytes, spread over every program, before any exit
+    PF_LANES: tl.constexpr = 128,
+    PF_LINE: tl.constexpr = 128,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PF:
+        prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
 
     seq, q_start, q_len, seq_len = _locate(query_start_loc_ptr, seq_lens_ptr, q_block_global, num_seqs, BLOCK_Q,
                                            SEQ_CHUNK)

@@ -12,6 +12,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_sm121 import envs
+from vllm_sm121.l2_plan import attention_prefetch
 from vllm_sm121.kernels import paged_attention, write_kv_cache
 from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write
 
@@ -173,6 +174,8 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         common = dict(max_seq_len=md.max_seq_len, scale=self.scale, sliding_window=self.sliding_window,
                       softcap=self.logits_soft_cap, sinks=sinks, k_scale=layer._k_scale if fp8 else None,
                       v_scale=layer._v_scale if fp8 else None, check=not self._checked)
+        # the weight of the GEMV after this kernel, prefetched into L2 by it (vllm_sm121/l2_plan.py)
+        prefetch = attention_prefetch(layer)
         dp = md.decode_part
         if dp is not None and dp.num_splits.get(self.sliding_window, 1) > 1:
             # mixed batch: the leading decode rows with split KV, then the rest in one launch
@@ -180,7 +183,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             splits, workspace = md.decode_splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
             paged_attention(q[:d], key_cache, value_cache, md.block_table[:r], md.query_start_loc[: r + 1],
                             md.seq_lens[:r], max_query_len=dp.max_query_len, out=out[:d], num_splits=splits,
-                            workspace=workspace, **common)
+                            workspace=workspace, prefetch=prefetch, **common)
             paged_attention(q[d:], key_cache, value_cache, md.block_table[r: md.seq_lens.shape[0]],
                             dp.prefill_query_start_loc, md.seq_lens[r:], max_query_len=md.max_query_len,
                             out=out[d:], num_splits=1, workspace=None, **common)
@@ -188,6 +191,6 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             num_splits, workspace = md.splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
             paged_attention(q, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
                             max_query_len=md.max_query_len, out=out, num_splits=num_splits, workspace=workspace,
-                            **common)
+                            prefetch=prefetch, **common)
         self._checked = True
         return output

@@ -101,16 +101,19 @@ def _add_rmsnorm_mxfp8_router_fake(x: torch.Tensor, residual: torch.Tensor, weig
 
 def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                        w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                       w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                       w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None,
+                       l2_key: str = "") -> torch.Tensor:
+    from vllm_sm121 import l2_plan
     from vllm_sm121.kernels.moe import moe_block
 
     return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
-                     x_scale=x_scale, expert_map=expert_map)
+                     x_scale=x_scale, expert_map=expert_map, l2=l2_plan.moe_plan(l2_key))
 
 
 def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                             w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                            w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                            w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None,
+                            l2_key: str = "") -> torch.Tensor:
     return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
 
 
@@ -138,11 +141,12 @@ def add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weight: to
 
 
 def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
-                      expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                      expert_map: torch.Tensor | None = None, l2_key: str = "") -> torch.Tensor:
     """bf16 [T, H]: gpt-oss routed experts on MXFP8 activations (``kernels.moe.moe_block``); under
-    expert parallelism this rank's share (``expert_map`` int32 [E], global -> local or -1)."""
+    expert parallelism this rank's share (``expert_map`` int32 [E], global -> local or -1). ``l2_key``:
+    the block's key in ``vllm_sm121.l2_plan`` (its L2 prefetches; "" none)."""
     return torch.ops.sm121.gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
-                                             w2_bias, topk, expert_map)
+                                             w2_bias, topk, expert_map, l2_key)
 
 
 # ---- the block -------------------------------------------------------------------------------
@@ -154,7 +158,8 @@ def routed_experts_of(mlp: torch.nn.Module):
 
 
 def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
-                       mlp: torch.nn.Module, router_in_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       mlp: torch.nn.Module, router_in_norm: bool = False,
+                       l2_key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's ``post_attention_layernorm(h, residual)`` + ``mlp(h)``, with the norm emitting MXFP8
     for the experts (and, ``router_in_norm``, the router's logits): returns (MoE output bf16 [T, H],
     the updated residual)."""
@@ -166,7 +171,7 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
         router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
     out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
-                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e))
+                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e), l2_key)
     par = e.moe_config.moe_parallel_config
     if par.tp_size > 1 or par.ep_size > 1:  # each rank holds a share of the experts' sum
         from vllm.distributed import tensor_model_parallel_all_reduce
@@ -365,6 +370,14 @@ class Sm121GptOssBlock(TransformerBlock):
                 (log.warning_once if os.environ.get(ROPE_IN_QKV_ENV, "").strip() else log.info_once)(
                     "gpt-oss: the rotation inside the qkv GEMV ($VLLM_SM121_ROPE_IN_QKV) is not applied (%s); "
                     "it runs as upstream's", why)
+        # L2 prefetches of the next GEMV's weights ($VLLM_SM121_L2_PREFETCH; vllm_sm121/l2_plan.py)
+        self.sm121_l2_key = ""
+        if self.sm121_fused_moe:
+            from vllm_sm121 import l2_plan
+
+            targets = l2_plan.targets_from(choices.get("l2_prefetch", ""))
+            if targets:
+                self.sm121_l2_key = l2_plan.install(self, prefix, targets)
         # The KV-cache write inside the same GEMV (opt-in $VLLM_SM121_KV_IN_QKV=1; a traced choice).
         self.sm121_kv_in_qkv = False
         if choices.get("kv_in_qkv", False):
@@ -393,4 +406,4 @@ class Sm121GptOssBlock(TransformerBlock):
             hidden_states = self.attn(hidden_states, positions)
         # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8.
         return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp,
-                                  self.sm121_router_in_norm)
+                                  self.sm121_router_in_norm, self.sm121_l2_key)

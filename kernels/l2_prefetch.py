@@ -1,0 +1,79 @@
+"""L2 prefetch of the next GEMV's weights during kernels that leave the DRAM bus idle.
+
+Why: at one token gpt-oss's dense GEMVs are too short to reach the DRAM bandwidth (H200,
+stop-28 profile: qkv 14.7 MB and o 11.8 MB of e4m3 in ~7 us each, ~45% of copy bandwidth; the
+same shapes near 4 TB/s only at lm_head size), while the kernel before each of them barely uses
+the bus: decode attention at a short context reads a few kB of KV in ~7 us, and the MoE FC2 runs
+at ~33% of the bandwidth, bound by instruction issue on an H200. The kernel before a GEMV is given
+the GEMV's weight and spreads ``prefetch.global.L2`` hints for it over its programs
+(``_prefetch.prefetch_l2``); the GEMV then reads L2. The FC1 of the MoE can likewise warm FC2's
+expert rows (it knows the routing).
+
+Targets ($VLLM_SM121_L2_PREFETCH, a comma list, read when the model is built; "none" for none):
+
+    o        the attention kernel prefetches the layer's o_proj weight
+    qkv      the MoE FC2 (one-token FMA path) prefetches the next layer's qkv_proj weight, as its
+             programs start
+    qkv_late the same, as its programs finish (after their own weight stream)
+    w2       the MoE FC1 (FMA path) prefetches the FC2 weight rows of the experts it routes to, as
+             its programs start
+    w2_late  the same, as its programs finish
+
+Only hints: an evicted line costs bandwidth, never correctness; outputs are bit-identical with
+and without (GPU tests). The interpreter never prefetches (no inline PTX there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm_sm121 import platform as _platform
+
+PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
+TARGETS = ("o", "qkv", "qkv_late", "w2", "w2_late")
+# performance hyper-parameters: the default targets per family (see the measurements where set)
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    _platform.SM90: (),
+    _platform.SM12X: (),
+}
+LINE_ENV = "VLLM_SM121_L2_PREFETCH_LINE"
+LINE = 128  # bytes per prefetch hint (an L2 line); $VLLM_SM121_L2_PREFETCH_LINE (32..1024) for A/B runs
+LANES = 128  # hints per program per loop step
+
+
+def parse(text: str) -> frozenset[str]:
+    """The targets of a $VLLM_SM121_L2_PREFETCH value; an unknown name is an error naming it."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        return frozenset()
+    bad = [n for n in names if n not in TARGETS]
+    if bad:
+        raise ValueError(f"${PREFETCH_ENV}={text!r}: unknown target(s) {bad}; supported: a comma list of "
+                         f"{', '.join(TARGETS)}, or none")
+    for a in ("qkv", "w2"):
+        if a in names and f"{a}_late" in names:
+            raise ValueError(f"${PREFETCH_ENV}={text!r}: {a} and {a}_late are two placements of one prefetch; "
+                             "pick one")
+    return frozenset(names)
+
+
+def line_bytes() -> int:
+    n = int(os.environ.get(LINE_ENV, "").strip() or LINE)
+    if n < 32 or n > 1024 or n & (n - 1):
+        raise ValueError(f"${LINE_ENV}={n}: a power of two in 32..1024 bytes")
+    return n
+
+
+def launch_args(t: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
+    """(uint8 pointer tensor, bytes, constexprs) for a kernel with ``pf_ptr, pf_bytes`` arguments
+    and PF / PF_LANES / PF_LINE constexprs: off (a dummy pointer) without ``t``, on the interpreter,
+    or for an empty tensor. ``t`` must be contiguous (its bytes are prefetched as one range)."""
+    if t is None or t.numel() == 0 or _platform.family_of(like) == _platform.INTERPRETER:
+        return like, 0, dict(PF=False)
+    if not t.is_contiguous() or t.device != like.device:
+        raise ValueError(f"L2 prefetch: the tensor must be contiguous on {like.device}, got "
+                         f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} on {t.device}")
+    return t.view(-1).view(torch.uint8), t.numel() * t.element_size(), dict(PF=True, PF_LANES=LANES,
+                                                                           PF_LINE=line_bytes())

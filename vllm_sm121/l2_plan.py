@@ -1,0 +1,109 @@
+"""Which kernel of a gpt-oss layer prefetches which weight into L2 (``kernels/l2_prefetch.py``).
+
+``install(block, targets)`` runs in ``Sm121GptOssBlock.__init__`` (the fused MoE path) with the
+targets of $VLLM_SM121_L2_PREFETCH (or the family's default):
+
+    o               the layer's ``Attention`` gets a weak reference to its ``o_proj``; the SM121
+                    backend's forward passes ``o_proj.weight`` to the attention kernel
+    qkv / qkv_late  the MoE op of layer i is called with the key of layer i + 1, whose
+                    ``qkv_proj.weight`` its FC2 prefetches (none after the last layer)
+    w2 / w2_late    the MoE op's FC1 prefetches its experts' FC2 rows
+
+The weights are looked up when the kernels run (they are converted to FP8 after construction),
+through weak references (a registry entry never keeps a model alive) in a per-process registry
+keyed by the block's prefix ("model.layers.7"); a block built later under the same prefix (a new
+model in the same process) replaces the entry. The MoE op takes the key as a string argument, so
+the traced graph carries it as a constant.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+import torch
+
+from vllm_sm121 import platform as _platform
+from vllm_sm121.kernels import l2_prefetch
+from vllm_sm121.kernels.moe import L2Plan
+
+ATTN_ATTR = "_sm121_l2_prefetch"  # on vLLM's Attention module: weakref to the o_proj whose weight it prefetches
+_QKV: dict[str, weakref.ref] = {}  # block prefix -> its qkv_proj
+_BLOCKS: dict[str, tuple[frozenset, str]] = {}  # block prefix -> (targets, next block's prefix)
+_PLANS: dict[str, L2Plan] = {}  # resolved on first use
+
+
+def targets_from(text: str) -> frozenset[str]:
+    """The targets of a $VLLM_SM121_L2_PREFETCH value; blank: the current CUDA device family's
+    default (none without CUDA)."""
+    if text.strip():
+        return l2_prefetch.parse(text)
+    family = _platform.INTERPRETER
+    if torch.cuda.is_available():
+        family = _platform.device_family(torch.cuda.current_device())
+    return frozenset(l2_prefetch.DEFAULT_TARGETS.get(family, ()))
+
+
+def next_prefix(prefix: str) -> str:
+    """"model.layers.7" -> "model.layers.8" (the block after this one)."""
+    m = re.fullmatch(r"(.*?)(\d+)", prefix)
+    if m is None:
+        raise ValueError(f"L2 prefetch: block prefix {prefix!r} does not end in a layer index")
+    return f"{m.group(1)}{int(m.group(2)) + 1}"
+
+
+def install(block: torch.nn.Module, prefix: str, targets: frozenset[str]) -> str:
+    """Register gpt-oss block ``block`` (``.attn.qkv_proj``, ``.attn.o_proj``, ``.attn.attn``) under
+    ``prefix`` for ``targets``; returns the key its MoE op passes ("" when the MoE prefetches
+    nothing). A block whose attention is not upstream's ``OAIAttention`` layout (no such
+    projections) prefetches nothing; that is logged once."""
+    _PLANS.clear()  # plans resolve weights of neighbouring blocks: any registration may change them
+    parts = [getattr(block.attn, n, None) for n in ("qkv_proj", "o_proj", "attn")]
+    if any(not isinstance(p, torch.nn.Module) for p in parts):
+        _QKV.pop(prefix, None)
+        _BLOCKS.pop(prefix, None)
+        from vllm.logger import init_logger
+
+        init_logger("vllm.sm121").info_once(
+            "gpt-oss: $VLLM_SM121_L2_PREFETCH is not applied: the attention (%s) has no qkv_proj / o_proj / attn "
+            "modules", type(block.attn).__name__)
+        return ""
+    qkv, o_proj, attn = parts
+    _QKV[prefix] = weakref.ref(qkv)
+    if "o" in targets:
+        object.__setattr__(attn, ATTN_ATTR, weakref.ref(o_proj))
+    elif hasattr(attn, ATTN_ATTR):
+        object.__delattr__(attn, ATTN_ATTR)
+    moe_targets = targets - {"o"}
+    if not moe_targets:
+        _BLOCKS.pop(prefix, None)
+        return ""
+    _BLOCKS[prefix] = (frozenset(moe_targets), next_prefix(prefix))
+    return prefix
+
+
+def attention_prefetch(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The weight the attention kernel of vLLM ``Attention`` ``layer`` prefetches (None: nothing)."""
+    ref = getattr(layer, ATTN_ATTR, None)
+    mod = ref() if ref is not None else None
+    return mod.weight if mod is not None else None
+
+
+def moe_plan(key: str) -> L2Plan | None:
+    """The MoE op's L2 plan for block ``key`` ("" or unknown: None)."""
+    if not key:
+        return None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    entry = _BLOCKS.get(key)
+    if entry is None:
+        return None
+    targets, nxt = entry
+    ref = _QKV.get(nxt)
+    mod = ref() if ref is not None else None
+    want_next = bool(targets & {"qkv", "qkv_late"})
+    plan = L2Plan(next_weight=mod.weight if want_next and mod is not None else None, next_late="qkv_late" in targets,
+                  w2=bool(targets & {"w2", "w2_late"}), w2_late="w2_late" in targets)
+    _PLANS[key] = plan
+    return plan
