@@ -152,7 +152,7 @@ def test_moe_block_takes_a_plan_on_the_interpreter(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 4])
 def test_moe_prefetch_keeps_the_output_bit_identical(m):
     """gpt-oss-120b expert shapes, the FMA path: every placement of both prefetches (the next
     layer's 14.7 MB qkv weight by FC2, the experts' FC2 rows by FC1) gives the same bytes."""
