@@ -148,7 +148,7 @@ def run(args) -> tuple[list[dict], dict]:
         for line in (int(v) for v in args.lines.split(",")):
             print(f"  prefetch every {line} B: gemv after prefetch + spin {rec[f'gemv_after_prefetch{line}_us']:.2f} us; "
                   f"the prefetch kernel adds {rec[f'prefetch{line}_issue_us']:.2f} us to the spin")
-        del ws
+        ws.clear()  # free the copies before the next shape
     return records, {"l2_cache_bytes": l2}
 
 
