@@ -220,8 +220,11 @@ def paged_attention(
     ``tile`` overrides the per-architecture tile table (tuning, tests). ``check=False`` skips
     argument validation (~25 µs of host time a call): only for callers that validated the same
     layer's arguments before (the SM121 backend does on each layer's first call). ``prefetch``: a
-    contiguous tensor whose bytes the kernel's programs prefetch into L2 for the kernel after it
-    (``l2_prefetch``; GPU only, results unchanged).
+    contiguous tensor whose bytes the splits that see no KV (split launches with the in-kernel
+    merge: a decode graph's 64 splits at a short context) prefetch into L2 for the kernel after it,
+    instead of exiting at once; other launches prefetch nothing (``l2_prefetch``; GPU only,
+    results unchanged). Programs with work never issue the hints: an H100 probe
+    (``benchmarks/l2_probe.py``) showed a kernel's programs waiting ~5 us for 14.7 MB of them.
     """
     kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
     if not check:

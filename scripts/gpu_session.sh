@@ -149,7 +149,7 @@ for step in "$@"; do
                if [ $r = 0 ]; then sed -n '/^device/,$p' "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; else fail=1; tail -n 40 "/tmp/profile_$tag.log" >> "$OUT/profilewm.log"; fi
              done; grep -E "^--- profile|launches\+copies|^  cu|engine iteration|execute_model|generate" "$OUT/profilewm.log" | head -n 80; (exit $fail) ;;
     profile120b) fail=0; for a in "upstream|--backend default" "plugin|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4" "pluginkv|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4" "pluginl2|--moe-experimental --dense-fp8 --whole-model --kv-cache-dtype nvfp4"; do  # where gpt-oss-120b's batch-1 step goes (pluginkv: with VLLM_SM121_KV_IN_QKV=1; pluginl2: with VLLM_SM121_L2_PREFETCH=${PROFILE_L2:-o,qkv_late,w2_late})
-                   tag=${a%%|*}; case " ${PROFILE120B_SET:-upstream plugin} " in *" $tag "*) ;; *) continue ;; esac
+                   tag=${a%%|*}; sets=${PROFILE120B_SET:-upstream plugin}; case " ${sets//[,_]/ } " in *" $tag "*) ;; *) continue ;; esac
                    [ "$tag" = pluginkv ] && kvq=1 || kvq=${VLLM_SM121_KV_IN_QKV:-0}
                    [ "$tag" = pluginl2 ] && l2=${PROFILE_L2:-o,qkv_late,w2_late} || l2=${VLLM_SM121_L2_PREFETCH:-}
                    VLLM_SM121_KV_IN_QKV=$kvq VLLM_SM121_L2_PREFETCH=$l2 python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
-from .._prefetch import prefetch_l2_grid
+from .._prefetch import prefetch_l2
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 
@@ -256,15 +256,13 @@ def _paged_attention_kernel(
     SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
     FUSED_COMBINE: tl.constexpr = False,  # NUM_SPLITS > 1: the tile's last split merges (no combine launch)
     MIN_SPLIT_TILES: tl.constexpr = 1,  # NUM_SPLITS > 1: the fewest KV tiles a live split covers
-    PF: tl.constexpr = False,  # L2 prefetch of pf_ptr's bytes, spread over every program, before any exit
+    PF: tl.constexpr = False,  # FUSED_COMBINE: L2 prefetch of pf_ptr's bytes by the splits that see no KV
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PF:
-        prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
 
     seq, q_start, q_len, seq_len = _locate(query_start_loc_ptr, seq_lens_ptr, q_block_global, num_seqs, BLOCK_Q,
                                            SEQ_CHUNK)
@@ -290,6 +288,11 @@ def _paged_attention_kernel(
             # sees no KV stops here, before its q loads (a graph captured with 64 splits runs a
             # short context's few, not 64 programs per KV head).
             if split >= live_splits:
+                if PF:  # idle: the first query tile's idle splits prefetch the next GEMV's weight (once per launch)
+                    if q_block_global == 0:
+                        n_idle = (NUM_SPLITS - live_splits) * tl.num_programs(1)
+                        prefetch_l2(pf_ptr, pf_bytes, (split - live_splits) * tl.num_programs(1) + kv_head, n_idle,
+                                    PF_LANES, PF_LINE)
                 return
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
