@@ -120,7 +120,7 @@ for step in "$@"; do
                  --window 128 --sm121-split-seq-len 4096 --reps 1 --no-refcheck --out "$OUT/attention_ncu.json" > "$OUT/attnncu.log" 2>&1
              grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Grid Size|Waves Per SM" "$OUT/attnncu.log" | head -n 60 ;;  # the short-context decode attention under a 4k graph's 64 splits
     l2probe) python3 benchmarks/l2_probe.py --out "$OUT/l2_probe.json" 2>&1 | tee "$OUT/l2probe.log" | grep -v "^INFO\|^WARNING" | tail -n 12 ;;  # GEMV cold / hot / after an L2 prefetch
-    l2tests) python3 -m pytest -q -m "gpu or interpreter" tests/test_l2_prefetch.py -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/l2tests.log" ;;  # prefetch placements: bit-identical outputs
+    l2tests) python3 -m pytest -q -m "gpu or interpreter" tests/test_l2_prefetch.py ${L2_K:+-k "$L2_K"} -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/l2tests.log" ;;  # prefetch placements: bit-identical outputs
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
            grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
            python3 benchmarks/e2e.py --model models/gpt-oss-120b --configs sm121-all-moe,sm121-all-moe-kvqkv ${E2E_ARGS:-} --out "$OUT/e2e_120b_kvqkv.json" 2>&1 | tee "$OUT/e2e_120b_kvqkv.log" | tail -n 12; (exit $r) ;;
