@@ -11,7 +11,8 @@ expert rows (it knows the routing).
 
 Targets ($VLLM_SM121_L2_PREFETCH, a comma list, read when the model is built; "none" for none):
 
-    o        the attention kernel prefetches the layer's o_proj weight
+    o        the attention kernel prefetches the layer's o_proj weight, from the splits that see no
+             KV (a decode graph's 64 splits at a short context; other launches prefetch nothing)
     qkv      the MoE FC2 (one-token FMA path) prefetches the next layer's qkv_proj weight, as its
              programs start
     qkv_late the same, as its programs finish (after their own weight stream)
@@ -20,7 +21,23 @@ Targets ($VLLM_SM121_L2_PREFETCH, a comma list, read when the model is built; "n
     w2_late  the same, as its programs finish
 
 Only hints: an evicted line costs bandwidth, never correctness; outputs are bit-identical with
-and without (GPU tests). The interpreter never prefetches (no inline PTX there).
+and without (GPU tests, H100: ``tests/test_l2_prefetch.py``, 5 passed at 0f14146, the attention
+ones again at 1f369e5). The interpreter never prefetches (no inline PTX there).
+
+Measured (H100, stop 29), hence off by default on every family:
+
+* ``benchmarks/l2_probe.py`` (0f14146, in graphs, per call): the qkv GEMV takes 8.08 us cold
+  and 6.22 us with its weight in L2; o 7.23 / 4.80 us. So at most ~2-2.4 us per GEMV is there
+  to win: the GEMVs are limited by their own structure, not only by DRAM. A standalone kernel
+  issuing the hints for 14.7 MB ran 4.9 us (11.8 MB: 4.1 us), about the DRAM time of those
+  bytes at the card's 2.9 TB/s, whether one hint per 32 or per 128 bytes: a program that issues
+  hints is held until the memory system has taken them. After such a prefetch and a 7 us idle
+  kernel the GEMVs took 6.89 / 5.65 us.
+* gpt-oss-120b batch 1, tg128, one run (d508e2c, ``docs/e2e-120b-l2-h100-d508e2c.json``):
+  no prefetch 378.7 tok/s; "o" with every attention program issuing hints before its work
+  364.5; "o,qkv_late,w2_late" 354.1. Issuing programs with work of their own wait for the
+  hints, which costs more than the GEMV gains. The "o" target was then moved to the idle
+  splits only (1f369e5, GPU-tested); that version is not measured end to end.
 """
 
 from __future__ import annotations
