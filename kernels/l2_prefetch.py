@@ -42,11 +42,10 @@ Measured (H100, stop 29), hence off by default on every family:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_sm121 import platform as _platform
+from vllm_sm121.envs import env_int
 
 PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
 TARGETS = ("o", "qkv", "qkv_late", "w2", "w2_late")
@@ -77,7 +76,7 @@ def parse(text: str) -> frozenset[str]:
 
 
 def line_bytes() -> int:
-    n = int(os.environ.get(LINE_ENV, "").strip() or LINE)
+    n = env_int(LINE_ENV, LINE)
     if n < 32 or n > 1024 or n & (n - 1):
         raise ValueError(f"${LINE_ENV}={n}: a power of two in 32..1024 bytes")
     return n

@@ -394,7 +394,8 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     # (_locate); a power of two >= 16 (few specialisations). Prefill keeps the binary search: its
     # programs amortize it, and the lookup costs the prefill tile registers (sm_90a: 157 -> 206, one
     # program fewer per SM; decode 92 -> 112, where shared memory already allows only 2 per SM).
-    pf_ptr, pf_bytes, pf_kw = l2_prefetch.launch_args(prefetch, q)
+    # only the fused merge's idle splits issue the hints: other launches compile without them
+    pf_ptr, pf_bytes, pf_kw = l2_prefetch.launch_args(prefetch if fused else None, q)
     seq_chunk = max(16, _next_pow2(num_seqs)) if kind.startswith("decode") and num_seqs <= SEQ_CHUNK_MAX else 0
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, workspace.cnt if fused else dummy, q, key_cache, value_cache, k_bs, v_bs,

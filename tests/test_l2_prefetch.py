@@ -8,6 +8,7 @@ prefetch tensor is refused by name.
 """
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -51,6 +52,41 @@ def test_launch_args_are_off_without_a_tensor_and_on_the_interpreter():
         assert kw == dict(PF=False) and nbytes == 0 and ptr is x
 
 
+def test_launch_args_on_a_gpu_family(monkeypatch):
+    """As a GPU launch sees them (the family faked): the tensor's bytes as uint8, their count, the
+    line size; a non-contiguous tensor or one on another device is refused by name."""
+    import types
+
+    from vllm_sm121 import platform as P
+
+    monkeypatch.setattr(l2_prefetch, "_platform", types.SimpleNamespace(family_of=lambda t: P.SM90,
+                                                                       INTERPRETER=P.INTERPRETER))
+    monkeypatch.setenv(l2_prefetch.LINE_ENV, "64")
+    x = torch.zeros(4)
+    for t in (torch.zeros(6, 8, dtype=torch.bfloat16), torch.zeros(6, 8, dtype=torch.float8_e4m3fn)):
+        ptr, nbytes, kw = l2_prefetch.launch_args(t, x)
+        assert ptr.dtype == torch.uint8 and ptr.data_ptr() == t.data_ptr() and nbytes == 48 * t.element_size()
+        assert kw == dict(PF=True, PF_LANES=l2_prefetch.LANES, PF_LINE=64)
+    with pytest.raises(ValueError, match="L2 prefetch: the tensor must be contiguous on cpu, got non-contiguous"):
+        l2_prefetch.launch_args(torch.zeros(6, 8).t(), x)
+    with pytest.raises(ValueError, match="must be contiguous on cpu, got torch.float32 on meta"):
+        l2_prefetch.launch_args(torch.zeros(6, 8, device="meta"), x)
+    monkeypatch.setenv(l2_prefetch.LINE_ENV, "x")
+    with pytest.raises(ValueError, match="VLLM_SM121_L2_PREFETCH_LINE"):
+        l2_prefetch.launch_args(torch.zeros(6, 8), x)
+    # FC1's per-expert prefetch needs FC2 weights of the same experts
+    from test_moe_block import Case
+
+    from vllm_sm121.kernels.moe import moe_fc1_swiglu_fma
+
+    monkeypatch.delenv(l2_prefetch.LINE_ENV)
+    args, s = _moe_inputs(Case(1, 64, 64, 4, 2), "cpu", 3)
+    q, logits, w13, s13, b13, w2, s2, _b2, topk = args
+    ids = torch.zeros(1, topk, dtype=torch.int32)
+    with pytest.raises(ValueError, match="l2_w2: FC2 weights of the same 4 experts expected"):
+        moe_fc1_swiglu_fma(q, s, w13, s13, b13, ids, l2_w2=(w2[:3].contiguous(), s2[:3].contiguous()))
+
+
 def _fake_block() -> torch.nn.Module:
     b = torch.nn.Module()
     b.attn = torch.nn.Module()
@@ -63,8 +99,9 @@ def _fake_block() -> torch.nn.Module:
 def test_plan_wires_each_kernel_to_the_next_gemv():
     blocks = [_fake_block() for _ in range(3)]
     modules = [len(list(b.modules())) for b in blocks]
-    keys = [l2_plan.install(b, f"test_l2.layers.{i}", frozenset({"o", "qkv_late", "w2"})) for i, b in enumerate(blocks)]
-    assert keys == [f"test_l2.layers.{i}" for i in range(3)]
+    keys = [l2_plan.install(b, f"model.layers.{i}", frozenset({"o", "qkv_late", "w2"})) for i, b in enumerate(blocks)]
+    ns = keys[0].split(":")[0]
+    assert keys == [f"{ns}:model.layers.{i}" for i in range(3)]
     assert [len(list(b.modules())) for b in blocks] == modules  # nothing registered as a submodule twice
     for b in blocks:  # attention -> its own o_proj
         assert l2_plan.attention_prefetch(b.attn.attn) is b.attn.o_proj.weight
@@ -72,44 +109,46 @@ def test_plan_wires_each_kernel_to_the_next_gemv():
         assert l2_plan.moe_plan(keys[i]) == L2Plan(next_weight=blocks[i + 1].attn.qkv_proj.weight, next_late=True,
                                                     w2=True, w2_late=False)
     assert l2_plan.moe_plan(keys[2]).next_weight is None  # the last layer has no next qkv
-    assert l2_plan.moe_plan("") is None and l2_plan.moe_plan("test_l2.nowhere.0") is None
-    # the same prefix again (a new model in this process), only "o": the MoE prefetches nothing
+    assert l2_plan.moe_plan("") is None and l2_plan.moe_plan("0:nowhere.0") is None
+    # a second model in the process (layer 0 again) gets its own keys: the first keeps its plan
+    other = [_fake_block() for _ in range(2)]
+    k2 = [l2_plan.install(b, f"model.layers.{i}", frozenset({"o", "qkv"})) for i, b in enumerate(other)]
+    assert k2[0] != keys[0] and k2[0].endswith(":model.layers.0")
+    assert l2_plan.moe_plan(keys[0]).next_weight is blocks[1].attn.qkv_proj.weight
+    assert l2_plan.moe_plan(k2[0]).next_weight is other[1].attn.qkv_proj.weight
+    # only "o": the MoE prefetches nothing; without "o" the attention prefetches nothing
+    assert l2_plan.install(_fake_block(), "model.layers.0", frozenset({"o"})) == ""
     again = _fake_block()
-    assert l2_plan.install(again, "test_l2.layers.0", frozenset({"o"})) == ""
-    assert l2_plan.moe_plan("test_l2.layers.0") is None
-    # without "o" the attention prefetches nothing (an earlier setting is removed)
-    assert l2_plan.install(again, "test_l2.layers.0", frozenset({"w2_late"})) == "test_l2.layers.0"
+    assert l2_plan.install(again, "model.layers.0", frozenset({"o"})) == ""
+    assert l2_plan.attention_prefetch(again.attn.attn) is again.attn.o_proj.weight
+    assert l2_plan.install(again, "model.layers.0", frozenset({"w2_late"})).endswith(":model.layers.0")
     assert l2_plan.attention_prefetch(again.attn.attn) is None
-    plan = l2_plan.moe_plan("test_l2.layers.0")
-    assert plan.next_weight is None and plan.w2 and plan.w2_late
-    # weak references: a block that is gone is prefetched by nobody (and is not kept alive)
-    l2_plan.install(blocks[0], "test_l2.layers.0", frozenset({"qkv"}))
-    ref_weight = l2_plan.moe_plan("test_l2.layers.0").next_weight
-    assert ref_weight is blocks[1].attn.qkv_proj.weight
-    del ref_weight
-    l2_plan._PLANS.clear()
+    # weak references: once a block is gone nothing holds its weight and nobody prefetches it
+    weight = weakref.ref(blocks[1].attn.qkv_proj.weight)
     blocks[1] = None
     gc.collect()
-    assert l2_plan.moe_plan("test_l2.layers.0").next_weight is None
+    assert weight() is None
+    assert l2_plan.moe_plan(keys[0]).next_weight is None
 
 
 def test_plan_skips_an_attention_without_the_projections():
     b = torch.nn.Module()
     b.attn = torch.nn.Linear(2, 2)  # another attention class
-    assert l2_plan.install(b, "test_l2.other.0", frozenset({"o", "qkv"})) == ""
-    assert l2_plan.moe_plan("test_l2.other.0") is None
+    assert l2_plan.install(b, "other.layers.0", frozenset({"o", "qkv"})) == ""
     with pytest.raises(ValueError, match="does not end in a layer index"):
         l2_plan.next_prefix("model.norm")
     assert l2_plan.next_prefix("model.layers.9") == "model.layers.10"
 
 
-def test_traced_choice_records_the_option(monkeypatch):
+def test_traced_choice_records_the_resolved_targets(monkeypatch):
     from vllm_sm121 import config as C
 
     monkeypatch.delenv(C.L2_PREFETCH_ENV, raising=False)
-    assert C.traced_env_choices()["l2_prefetch"] == ""
-    monkeypatch.setenv(C.L2_PREFETCH_ENV, "o,qkv_late")
+    if not torch.cuda.is_available():  # blank: the family default, recorded as what it is
+        assert C.traced_env_choices()["l2_prefetch"] == "none"
+    monkeypatch.setenv(C.L2_PREFETCH_ENV, " qkv_late, o")
     assert C.traced_env_choices()["l2_prefetch"] == "o,qkv_late"
+    assert l2_plan.targets_from("none") == frozenset()
     assert C.L2_PREFETCH_ENV == l2_prefetch.PREFETCH_ENV
 
 

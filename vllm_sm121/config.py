@@ -136,7 +136,13 @@ def traced_env_choices() -> dict[str, Any]:
     """The environment's choices that change the traced gpt-oss graph (read now)."""
     return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True),
             "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False),
-            "l2_prefetch": os.environ.get(L2_PREFETCH_ENV, "").strip()}
+            "l2_prefetch": _l2_prefetch_choice()}
+
+
+def _l2_prefetch_choice() -> str:
+    from vllm_sm121.l2_plan import recorded_choice
+
+    return recorded_choice(os.environ.get(L2_PREFETCH_ENV, ""))
 
 
 def record_traced_choices(vllm_config: Any) -> dict[str, Any] | None:

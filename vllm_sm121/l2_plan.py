@@ -9,11 +9,13 @@ targets of $VLLM_SM121_L2_PREFETCH (or the family's default):
                     ``qkv_proj.weight`` its FC2 prefetches (none after the last layer)
     w2 / w2_late    the MoE op's FC1 prefetches its experts' FC2 rows
 
-The weights are looked up when the kernels run (they are converted to FP8 after construction),
-through weak references (a registry entry never keeps a model alive) in a per-process registry
-keyed by the block's prefix ("model.layers.7"); a block built later under the same prefix (a new
-model in the same process) replaces the entry. The MoE op takes the key as a string argument, so
-the traced graph carries it as a constant.
+The weights are looked up each time the kernels are launched (they are converted to FP8 after
+construction; a graph captures the pointers), through weak references (the registry never keeps
+a model alive) in a per-process registry keyed by "<model>:<block prefix>" ("0:model.layers.7";
+a block with layer index 0 starts the next model number, so two models in one process do not
+share entries). The MoE op takes the key as a string argument: the traced graph carries it as a
+constant, one per layer, so with a MoE target on Inductor compiles each layer's piece of the graph
+separately (a slower first compile; the option is off by default).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from vllm_sm121.kernels import l2_prefetch
 from vllm_sm121.kernels.moe import L2Plan
 
 ATTN_ATTR = "_sm121_l2_prefetch"  # on vLLM's Attention module: weakref to the o_proj whose weight it prefetches
-_QKV: dict[str, weakref.ref] = {}  # block prefix -> its qkv_proj
-_BLOCKS: dict[str, tuple[frozenset, str]] = {}  # block prefix -> (targets, next block's prefix)
-_PLANS: dict[str, L2Plan] = {}  # resolved on first use
+_QKV: dict[str, weakref.ref] = {}  # block key -> its qkv_proj
+_BLOCKS: dict[str, tuple[frozenset, str]] = {}  # block key -> (MoE targets, the next block's key)
+_models = [-1]  # the model number of the blocks being built (a block with layer index 0 starts the next)
 
 
 def targets_from(text: str) -> frozenset[str]:
@@ -44,24 +46,37 @@ def targets_from(text: str) -> frozenset[str]:
     return frozenset(l2_prefetch.DEFAULT_TARGETS.get(family, ()))
 
 
-def next_prefix(prefix: str) -> str:
-    """"model.layers.7" -> "model.layers.8" (the block after this one)."""
+def recorded_choice(text: str) -> str:
+    """What the traced choices record for a $VLLM_SM121_L2_PREFETCH value: the resolved targets,
+    sorted ("none" for none), so a family default is hashed as what it is."""
+    return ",".join(sorted(targets_from(text))) or "none"
+
+
+def _split(prefix: str) -> tuple[str, int]:
     m = re.fullmatch(r"(.*?)(\d+)", prefix)
     if m is None:
         raise ValueError(f"L2 prefetch: block prefix {prefix!r} does not end in a layer index")
-    return f"{m.group(1)}{int(m.group(2)) + 1}"
+    return m.group(1), int(m.group(2))
+
+
+def next_prefix(prefix: str) -> str:
+    """"model.layers.7" -> "model.layers.8" (the block after this one)."""
+    stem, i = _split(prefix)
+    return f"{stem}{i + 1}"
 
 
 def install(block: torch.nn.Module, prefix: str, targets: frozenset[str]) -> str:
-    """Register gpt-oss block ``block`` (``.attn.qkv_proj``, ``.attn.o_proj``, ``.attn.attn``) under
-    ``prefix`` for ``targets``; returns the key its MoE op passes ("" when the MoE prefetches
+    """Register gpt-oss block ``block`` (``.attn.qkv_proj``, ``.attn.o_proj``, ``.attn.attn``) built
+    under ``prefix`` for ``targets``; returns the key its MoE op passes ("" when the MoE prefetches
     nothing). A block whose attention is not upstream's ``OAIAttention`` layout (no such
     projections) prefetches nothing; that is logged once."""
-    _PLANS.clear()  # plans resolve weights of neighbouring blocks: any registration may change them
+    if _split(prefix)[1] == 0 or _models[0] < 0:
+        _models[0] += 1
+    key = f"{_models[0]}:{prefix}"
     parts = [getattr(block.attn, n, None) for n in ("qkv_proj", "o_proj", "attn")]
     if any(not isinstance(p, torch.nn.Module) for p in parts):
-        _QKV.pop(prefix, None)
-        _BLOCKS.pop(prefix, None)
+        _QKV.pop(key, None)
+        _BLOCKS.pop(key, None)
         from vllm.logger import init_logger
 
         init_logger("vllm.sm121").info_once(
@@ -69,17 +84,17 @@ def install(block: torch.nn.Module, prefix: str, targets: frozenset[str]) -> str
             "modules", type(block.attn).__name__)
         return ""
     qkv, o_proj, attn = parts
-    _QKV[prefix] = weakref.ref(qkv)
+    _QKV[key] = weakref.ref(qkv)
     if "o" in targets:
         object.__setattr__(attn, ATTN_ATTR, weakref.ref(o_proj))
     elif hasattr(attn, ATTN_ATTR):
         object.__delattr__(attn, ATTN_ATTR)
     moe_targets = targets - {"o"}
     if not moe_targets:
-        _BLOCKS.pop(prefix, None)
+        _BLOCKS.pop(key, None)
         return ""
-    _BLOCKS[prefix] = (frozenset(moe_targets), next_prefix(prefix))
-    return prefix
+    _BLOCKS[key] = (frozenset(moe_targets), f"{_models[0]}:{next_prefix(prefix)}")
+    return key
 
 
 def attention_prefetch(layer: torch.nn.Module) -> torch.Tensor | None:
@@ -90,20 +105,14 @@ def attention_prefetch(layer: torch.nn.Module) -> torch.Tensor | None:
 
 
 def moe_plan(key: str) -> L2Plan | None:
-    """The MoE op's L2 plan for block ``key`` ("" or unknown: None)."""
-    if not key:
-        return None
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
-    entry = _BLOCKS.get(key)
+    """The MoE op's L2 plan for block ``key`` ("" or unknown: None), resolved now (no reference
+    to a weight outlives the call)."""
+    entry = _BLOCKS.get(key) if key else None
     if entry is None:
         return None
     targets, nxt = entry
     ref = _QKV.get(nxt)
     mod = ref() if ref is not None else None
     want_next = bool(targets & {"qkv", "qkv_late"})
-    plan = L2Plan(next_weight=mod.weight if want_next and mod is not None else None, next_late="qkv_late" in targets,
+    return L2Plan(next_weight=mod.weight if want_next and mod is not None else None, next_late="qkv_late" in targets,
                   w2=bool(targets & {"w2", "w2_late"}), w2_late="w2_late" in targets)
-    _PLANS[key] = plan
-    return plan
