@@ -76,8 +76,11 @@ def _kernels():
     return prefetch_kernel, spin_kernel
 
 
+_MOE = _load_moe_bench()
+
+
 def _time_graph(fn, reps: int) -> float:
-    """Median µs of one replay of a graph of ``fn``."""
+    """Median µs of one replay of a graph of ``fn`` (``benchmarks/moe.py``'s replay timer)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -85,15 +88,7 @@ def _time_graph(fn, reps: int) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_MOE._replay_us(g) for _ in range(reps))
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -157,9 +152,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/l2_probe.py needs a CUDA GPU")
         return 2
-    moe = _load_moe_bench()
-    copy_gbps = moe.measure_copy_bandwidth(torch.device("cuda"))
-    head = moe.header(torch.device("cuda"), copy_gbps)
+    copy_gbps = _MOE.measure_copy_bandwidth(torch.device("cuda"))
+    head = _MOE.header(torch.device("cuda"), copy_gbps)
     head["benchmark"] = "l2_probe"
     print(f"device {head['device']}  copy bandwidth {copy_gbps:.0f} GB/s  commit {head['commit']}")
     records, extra = run(args)
