@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}  # N, K (e4m3 weights, bias on)
+TILES_ENV = "VLLM_SM121_DENSE_FMA_TILES"
 
 
 def _load_moe_bench():
@@ -46,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--lines", default="32,128", help="bytes between prefetch hints (comma list)")
     p.add_argument("--wait-us", type=float, default=7.0, help="the spin kernel's duration")
     p.add_argument("--programs", type=int, default=512, help="programs of the prefetch kernel")
+    p.add_argument("--tiles", default="", help="';'-separated $VLLM_SM121_DENSE_FMA_TILES values (rows,kw,warps) "
+                   "to time cold and hot too (the GEMV's own limit per tile)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="results/l2_probe.json")
     return p.parse_args(argv)
@@ -130,6 +134,14 @@ def run(args) -> tuple[list[dict], dict]:
                                                 args.reps) / copies
             per[f"pf{line}+wait+gemv"] = _time_graph(lambda: [(pf(i, line), spin(), gemv(i)) for i in range(copies)],
                                                      args.reps) / copies
+        for tile in (t.strip() for t in args.tiles.split(";") if t.strip()):
+            os.environ[TILES_ENV] = tile  # read by the launcher at call time
+            try:
+                per[f"cold[{tile}]"] = _time_graph(lambda: [gemv(i) for i in range(copies)], args.reps) / copies
+                per[f"hot[{tile}]"] = _time_graph(lambda: [gemv(0) for _ in range(copies)], args.reps) / copies
+            finally:
+                os.environ.pop(TILES_ENV)
+            print(f"  tile {tile}: cold {per[f'cold[{tile}]']:.2f} us, hot {per[f'hot[{tile}]']:.2f} us")
         rec = dict(shape=shape, n=n, k=k, weight_bytes=wbytes, copies=copies, us=per,
                    gemv_cold_us=per["cold"], gemv_hot_us=per["hot"],
                    gemv_after_wait_us=per["wait+gemv"] - per["wait"])

@@ -119,7 +119,7 @@ for step in "$@"; do
                python3 benchmarks/attention.py --kinds decode --providers sm121 --kv-dtype nvfp4 --ctx "${NCU_CTX:-128}" --batch 1 \
                  --window 128 --sm121-split-seq-len 4096 --reps 1 --no-refcheck --out "$OUT/attention_ncu.json" > "$OUT/attnncu.log" 2>&1
              grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Grid Size|Waves Per SM" "$OUT/attnncu.log" | head -n 60 ;;  # the short-context decode attention under a 4k graph's 64 splits
-    l2probe) python3 benchmarks/l2_probe.py --out "$OUT/l2_probe.json" 2>&1 | tee "$OUT/l2probe.log" | grep -v "^INFO\|^WARNING" | tail -n 12 ;;  # GEMV cold / hot / after an L2 prefetch
+    l2probe) python3 benchmarks/l2_probe.py ${L2_TILES:+--tiles "$L2_TILES"} --out "$OUT/l2_probe${L2_TAG:-}.json" 2>&1 | tee "$OUT/l2probe${L2_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # GEMV cold / hot / after an L2 prefetch (export L2_TILES="r,kw,w;..." for dense tiles cold / hot: PAR VARS cannot carry ";")
     l2tests) python3 -m pytest -q -m "gpu or interpreter" tests/test_l2_prefetch.py ${L2_K:+-k "$L2_K"} -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/l2tests.log" ;;  # prefetch placements: bit-identical outputs
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
            grep -E "passed|failed|Error|^E " "$OUT/kvqkv.log" | tail -n 20
@@ -187,6 +187,8 @@ for step in "$@"; do
            [ -n "${job// /}" ] || continue
            gpus=${job%%|*}; rest=${job#*|}; vars=${rest%%|*}; steps=${rest#*|}; gpus=${gpus// /}
            echo "par_$i: GPUs $gpus: $vars $steps"
+           # VARs are separated by spaces: "A=x,B=y" would set A to "x,B=y" (a stop-29 call ran the wrong configs so)
+           if [[ "$vars" =~ ,[A-Z_][A-Z0-9_]*= ]]; then echo "par_$i: VARs must be space-separated: $vars"; exit 2; fi
            # each job ends by PAR_TIMEOUT (s) so that the packing below runs inside the call's limit
            timeout -k 10 "${PAR_TIMEOUT:-540}" bash -c "export CUDA_VISIBLE_DEVICES=$gpus SM121_NO_PIP=1; $vars bash scripts/gpu_session.sh '$part' $steps" \
              > "$OUT/par_$i.log" 2>&1 &
