@@ -9,7 +9,9 @@ the GEMV's weight and spreads ``prefetch.global.L2`` hints for it over its progr
 (``_prefetch.prefetch_l2``); the GEMV then reads L2. The FC1 of the MoE can likewise warm FC2's
 expert rows (it knows the routing).
 
-Targets ($VLLM_SM121_L2_PREFETCH, a comma list, read when the model is built; "none" for none):
+Targets ($VLLM_SM121_L2_PREFETCH, a comma list, read when the model is built; "none" for none;
+parsed, with the per-family defaults, in ``vllm_sm121/l2_plan.py``, which start-up code imports
+without loading Triton):
 
     o        the attention kernel prefetches the layer's o_proj weight, from the splits that see no
              KV (a decode graph's 64 splits at a short context; other launches prefetch nothing)
@@ -45,41 +47,9 @@ from __future__ import annotations
 import torch
 
 from vllm_sm121 import platform as _platform
-from vllm_sm121.envs import env_int
 
-PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
-TARGETS = ("o", "qkv", "qkv_late", "w2", "w2_late")
-# performance hyper-parameters: the default targets per family (see the measurements where set)
-DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    _platform.SM90: (),
-    _platform.SM12X: (),
-}
-LINE_ENV = "VLLM_SM121_L2_PREFETCH_LINE"
-LINE = 128  # bytes per prefetch hint (an L2 line); $VLLM_SM121_L2_PREFETCH_LINE (32..1024) for A/B runs
+LINE = 128  # bytes per prefetch hint (an L2 line; one hint per 32 bytes measured the same, stop 29)
 LANES = 128  # hints per program per loop step
-
-
-def parse(text: str) -> frozenset[str]:
-    """The targets of a $VLLM_SM121_L2_PREFETCH value; an unknown name is an error naming it."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if names == ["none"]:
-        return frozenset()
-    bad = [n for n in names if n not in TARGETS]
-    if bad:
-        raise ValueError(f"${PREFETCH_ENV}={text!r}: unknown target(s) {bad}; supported: a comma list of "
-                         f"{', '.join(TARGETS)}, or none")
-    for a in ("qkv", "w2"):
-        if a in names and f"{a}_late" in names:
-            raise ValueError(f"${PREFETCH_ENV}={text!r}: {a} and {a}_late are two placements of one prefetch; "
-                             "pick one")
-    return frozenset(names)
-
-
-def line_bytes() -> int:
-    n = env_int(LINE_ENV, LINE)
-    if n < 32 or n > 1024 or n & (n - 1):
-        raise ValueError(f"${LINE_ENV}={n}: a power of two in 32..1024 bytes")
-    return n
 
 
 def launch_args(t: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
@@ -92,4 +62,4 @@ def launch_args(t: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tenso
         raise ValueError(f"L2 prefetch: the tensor must be contiguous on {like.device}, got "
                          f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} on {t.device}")
     return t.view(-1).view(torch.uint8), t.numel() * t.element_size(), dict(PF=True, PF_LANES=LANES,
-                                                                           PF_LINE=line_bytes())
+                                                                           PF_LINE=LINE)

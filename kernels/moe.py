@@ -994,10 +994,10 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     if path in ("fma", "decode"):
         if path == "fma":
             outs = []
+            pf = l2 if l2 is not None and m <= FMA_KERNEL_MAX_TOKENS else L2Plan()  # one chunk only
             for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
                 sl = slice(c, c + FMA_KERNEL_MAX_TOKENS)
                 tiles = fma_tiles(x, x[sl].shape[0])
-                pf = l2 if l2 is not None and m <= FMA_KERNEL_MAX_TOKENS else L2Plan()
                 h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles,
                                                 route=(router_logits, expert_map, topk_w) if fuse else None,
                                                 l2_w2=(w2, w2_scale) if pf.w2 else None, l2_late=pf.w2_late)

@@ -20,29 +20,18 @@ from vllm_sm121.kernels.moe import L2Plan, moe_block
 
 
 def test_parse_targets_and_errors():
-    assert l2_prefetch.parse("o") == {"o"}
-    assert l2_prefetch.parse(" o, qkv_late ,w2") == {"o", "qkv_late", "w2"}
-    assert l2_prefetch.parse("none") == frozenset()
+    assert l2_plan.parse("o") == {"o"}
+    assert l2_plan.parse(" o, qkv_late ,w2") == {"o", "qkv_late", "w2"}
+    assert l2_plan.parse("none") == frozenset()
     with pytest.raises(ValueError, match=r"VLLM_SM121_L2_PREFETCH.*unknown target.*'lm_head'.*supported"):
-        l2_prefetch.parse("o,lm_head")
+        l2_plan.parse("o,lm_head")
     for a in ("qkv", "w2"):
         with pytest.raises(ValueError, match=f"{a} and {a}_late are two placements"):
-            l2_prefetch.parse(f"{a},{a}_late")
+            l2_plan.parse(f"{a},{a}_late")
     # blank: the family's default (none on a machine without CUDA)
     if not torch.cuda.is_available():
         assert l2_plan.targets_from("") == frozenset()
     assert l2_plan.targets_from("o,qkv") == {"o", "qkv"}
-
-
-def test_line_bytes(monkeypatch):
-    monkeypatch.delenv(l2_prefetch.LINE_ENV, raising=False)
-    assert l2_prefetch.line_bytes() == l2_prefetch.LINE
-    monkeypatch.setenv(l2_prefetch.LINE_ENV, "64")
-    assert l2_prefetch.line_bytes() == 64
-    for bad in ("48", "16", "2048"):
-        monkeypatch.setenv(l2_prefetch.LINE_ENV, bad)
-        with pytest.raises(ValueError, match="VLLM_SM121_L2_PREFETCH_LINE.*power of two in 32..1024"):
-            l2_prefetch.line_bytes()
 
 
 def test_launch_args_are_off_without_a_tensor_and_on_the_interpreter():
@@ -54,32 +43,27 @@ def test_launch_args_are_off_without_a_tensor_and_on_the_interpreter():
 
 def test_launch_args_on_a_gpu_family(monkeypatch):
     """As a GPU launch sees them (the family faked): the tensor's bytes as uint8, their count, the
-    line size; a non-contiguous tensor or one on another device is refused by name."""
+    hint spacing; a non-contiguous tensor or one on another device is refused by name."""
     import types
 
     from vllm_sm121 import platform as P
 
     monkeypatch.setattr(l2_prefetch, "_platform", types.SimpleNamespace(family_of=lambda t: P.SM90,
                                                                        INTERPRETER=P.INTERPRETER))
-    monkeypatch.setenv(l2_prefetch.LINE_ENV, "64")
     x = torch.zeros(4)
     for t in (torch.zeros(6, 8, dtype=torch.bfloat16), torch.zeros(6, 8, dtype=torch.float8_e4m3fn)):
         ptr, nbytes, kw = l2_prefetch.launch_args(t, x)
         assert ptr.dtype == torch.uint8 and ptr.data_ptr() == t.data_ptr() and nbytes == 48 * t.element_size()
-        assert kw == dict(PF=True, PF_LANES=l2_prefetch.LANES, PF_LINE=64)
+        assert kw == dict(PF=True, PF_LANES=l2_prefetch.LANES, PF_LINE=l2_prefetch.LINE)
     with pytest.raises(ValueError, match="L2 prefetch: the tensor must be contiguous on cpu, got non-contiguous"):
         l2_prefetch.launch_args(torch.zeros(6, 8).t(), x)
     with pytest.raises(ValueError, match="must be contiguous on cpu, got torch.float32 on meta"):
         l2_prefetch.launch_args(torch.zeros(6, 8, device="meta"), x)
-    monkeypatch.setenv(l2_prefetch.LINE_ENV, "x")
-    with pytest.raises(ValueError, match="VLLM_SM121_L2_PREFETCH_LINE"):
-        l2_prefetch.launch_args(torch.zeros(6, 8), x)
     # FC1's per-expert prefetch needs FC2 weights of the same experts
     from test_moe_block import Case
 
     from vllm_sm121.kernels.moe import moe_fc1_swiglu_fma
 
-    monkeypatch.delenv(l2_prefetch.LINE_ENV)
     args, s = _moe_inputs(Case(1, 64, 64, 4, 2), "cpu", 3)
     q, logits, w13, s13, b13, w2, s2, _b2, topk = args
     ids = torch.zeros(1, topk, dtype=torch.int32)
@@ -149,7 +133,7 @@ def test_traced_choice_records_the_resolved_targets(monkeypatch):
     monkeypatch.setenv(C.L2_PREFETCH_ENV, " qkv_late, o")
     assert C.traced_env_choices()["l2_prefetch"] == "o,qkv_late"
     assert l2_plan.targets_from("none") == frozenset()
-    assert C.L2_PREFETCH_ENV == l2_prefetch.PREFETCH_ENV
+    assert C.L2_PREFETCH_ENV == l2_plan.PREFETCH_ENV
 
 
 def _moe_inputs(c, device, seed):

@@ -26,24 +26,45 @@ import weakref
 import torch
 
 from vllm_sm121 import platform as _platform
-from vllm_sm121.kernels import l2_prefetch
-from vllm_sm121.kernels.moe import L2Plan
-
+from vllm_sm121.config import L2_PREFETCH_ENV as PREFETCH_ENV
+TARGETS = ("o", "qkv", "qkv_late", "w2", "w2_late")
+# performance hyper-parameters: the default targets per family (none: no gain measured, stop 29;
+# kernels/l2_prefetch.py has the numbers)
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    _platform.SM90: (),
+    _platform.SM12X: (),
+}
 ATTN_ATTR = "_sm121_l2_prefetch"  # on vLLM's Attention module: weakref to the o_proj whose weight it prefetches
 _QKV: dict[str, weakref.ref] = {}  # block key -> its qkv_proj
 _BLOCKS: dict[str, tuple[frozenset, str]] = {}  # block key -> (MoE targets, the next block's key)
 _models = [-1]  # the model number of the blocks being built (a block with layer index 0 starts the next)
 
 
+def parse(text: str) -> frozenset[str]:
+    """The targets of a $VLLM_SM121_L2_PREFETCH value; an unknown name is an error naming it."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        return frozenset()
+    bad = [n for n in names if n not in TARGETS]
+    if bad:
+        raise ValueError(f"${PREFETCH_ENV}={text!r}: unknown target(s) {bad}; supported: a comma list of "
+                         f"{', '.join(TARGETS)}, or none")
+    for a in ("qkv", "w2"):
+        if a in names and f"{a}_late" in names:
+            raise ValueError(f"${PREFETCH_ENV}={text!r}: {a} and {a}_late are two placements of one prefetch; "
+                             "pick one")
+    return frozenset(names)
+
+
 def targets_from(text: str) -> frozenset[str]:
     """The targets of a $VLLM_SM121_L2_PREFETCH value; blank: the current CUDA device family's
     default (none without CUDA)."""
     if text.strip():
-        return l2_prefetch.parse(text)
+        return parse(text)
     family = _platform.INTERPRETER
     if torch.cuda.is_available():
         family = _platform.device_family(torch.cuda.current_device())
-    return frozenset(l2_prefetch.DEFAULT_TARGETS.get(family, ()))
+    return frozenset(DEFAULT_TARGETS.get(family, ()))
 
 
 def recorded_choice(text: str) -> str:
@@ -104,12 +125,14 @@ def attention_prefetch(layer: torch.nn.Module) -> torch.Tensor | None:
     return mod.weight if mod is not None else None
 
 
-def moe_plan(key: str) -> L2Plan | None:
-    """The MoE op's L2 plan for block ``key`` ("" or unknown: None), resolved now (no reference
-    to a weight outlives the call)."""
+def moe_plan(key: str):
+    """The MoE op's ``kernels.moe.L2Plan`` for block ``key`` ("" or unknown: None), resolved now
+    (no reference to a weight outlives the call)."""
     entry = _BLOCKS.get(key) if key else None
     if entry is None:
         return None
+    from vllm_sm121.kernels.moe import L2Plan
+
     targets, nxt = entry
     ref = _QKV.get(nxt)
     mod = ref() if ref is not None else None
