@@ -244,6 +244,11 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-l2o", _all_on(),
            "sm121-all-moe + the attention kernel prefetching o_proj's weight into L2", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", "o"))),
+    # The tensor-core decode GEMV for the FP8 dense layers (kernels/dense_details/_dense_mmav.py) at
+    # M <= $E2E_MMAV_MAX_M (default 16) tokens, before the FMA GEMV
+    Config("sm121-all-moe-mmav", _all_on(),
+           "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at few tokens", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

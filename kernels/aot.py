@@ -28,6 +28,7 @@ from .decode_sample_details._decode_sample import (_decode_sample_final_kernel, 
                                                    _decode_sample_topk_pass_kernel, _decode_sample_topp_pass_kernel)
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
+from .dense_details._dense_mmav import _dense_fp8_mmav_kernel
 from .fp4_kv_details._fp4_kv import _fp4_kv_write_kernel
 from .kv_cache_details._kv_cache import _write_kv_cache_kernel
 from .moe_details._moe_align import _moe_align_kernel
@@ -384,6 +385,17 @@ def dense_specs(family: str) -> list[Spec]:
                                                  k_scale_ptr="*u8", v_data_ptr="*u8", v_scale_ptr="*u8",
                                                  cnt_ptr="*i32"),
                                   num_warps=fma.num_warps))
+    # The tensor-core decode GEMV (M <= 16) with the family's tiles and the split the launcher picks
+    # on a 132-SM card (qkv with the rotation in its epilogue, as gpt-oss calls it).
+    mmav = D.DENSE_MMAV_TILES[family]
+    mmav_ptrs = dict(ptrs, part_ptr="*fp32", cnt_ptr="*i32")
+    for what, n, k, bias in (("qkv", 5120, 2880, True), ("o", 2880, 4096, True), ("lm_head", 201088, 2880, False)):
+        rope = dict(ROPE=True, ROPE_ROWS=72 * 64, HEAD=64) if what == "qkv" else {}
+        specs.append(Spec(name=f"dense_fp8_mmav[{what} K{k}{', rope' if rope else ''}]", fn=_dense_fp8_mmav_kernel,
+                          constexprs=dict(K=k, BLOCK_N=mmav.rows, BLOCK_K=mmav.kb, SPLIT=mmav.splits(n, k, 132),
+                                          HAS_BIAS=bias, X_SHIFT=D.DENSE_MMAV_X_SHIFT, DOT_FP32=False, **rope),
+                          ptr_types=dict(mmav_ptrs, pos_ptr="*i64") if rope else mmav_ptrs,
+                          num_warps=mmav.num_warps, num_stages=mmav.num_stages))
     return specs
 
 

@@ -83,6 +83,7 @@ from vllm_sm121 import platform as _platform
 from . import _validate as V
 from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
+from .dense_details._dense_mmav import _dense_fp8_mmav_kernel
 from .moe import dequant_mxfp4_torch, split_counters
 from .norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 from .nvfp4 import _e2m1_codes_torch
@@ -135,7 +136,90 @@ DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
 # M >= m (above the FMA path), read at each call like the FMA limit.
 DENSE_W8A8_MIN_M = 0
 DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
-PATHS = ("auto", "fma", "mma", "w8a8")
+PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
+
+# Decode for up to DENSE_MMAV_KERNEL_MAX_M tokens on the tensor cores (``dense_details/_dense_mmav.py``:
+# cp.async-pipelined e4m3 weights, fp16 MMAs, split-K with an in-kernel ordered sum). path="auto"
+# takes it for M <= DENSE_MMAV_MAX_M (before the FMA path); $VLLM_SM121_DENSE_MMAV_MAX_M (read at
+# each call, as the FMA limit) overrides it. Off (0) until timed against the FMA path.
+DENSE_MMAV_KERNEL_MAX_M = 16
+DENSE_MMAV_MAX_M = 0
+DENSE_MMAV_MAX_M_ENV = "VLLM_SM121_DENSE_MMAV_MAX_M"
+# The activations go to fp16 as x * 2**-DENSE_MMAV_X_SHIFT (|x| < 2**(16 + shift) stays finite).
+DENSE_MMAV_X_SHIFT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMmavTiles:
+    """Tiles of the tensor-core decode GEMV (performance hyper-parameters)."""
+
+    rows: int  # weight rows per program (the MMA's M): a power of two >= 16
+    kb: int  # bytes of each row per K step: a power of two >= 16
+    split: int  # K splits per row tile; 0: enough for ~SPLIT_AUTO_WAVES programs per SM
+    num_warps: int
+    num_stages: int
+
+    SPLIT_AUTO_WAVES = 2
+
+    def __post_init__(self):
+        def pow2(v):
+            return v > 0 and v & (v - 1) == 0
+
+        if not (pow2(self.rows) and 16 <= self.rows <= 256 and pow2(self.kb) and 16 <= self.kb <= 1024):
+            raise ValueError(f"{self}: rows must be a power of two in 16..256, kb a power of two in 16..1024")
+        if self.num_warps not in (1, 2, 4, 8) or not 1 <= self.num_stages <= 8 or not 0 <= self.split <= 32:
+            raise ValueError(f"{self}: num_warps must be 1, 2, 4 or 8, stages 1..8, split 0..32")
+
+    @classmethod
+    def parse(cls, text: str) -> DenseMmavTiles:
+        """"rows,kb,split,warps,stages" (the $VLLM_SM121_DENSE_MMAV_TILES format; split 0 = auto)."""
+        try:
+            vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+        except ValueError:
+            vals = []
+        if len(vals) != 5:
+            raise ValueError(f"{DENSE_MMAV_TILES_ENV}={text!r}: expected rows,kb,split,warps,stages (integers)")
+        return cls(*vals)
+
+    def spec(self) -> str:
+        return f"{self.rows},{self.kb},{self.split},{self.num_warps},{self.num_stages}"
+
+    def splits(self, n: int, k: int, sms: int) -> int:
+        """K splits for an [n, k] weight on ``sms`` SMs (at most one per K step)."""
+        steps = -(-k // self.kb)
+        if self.split:
+            return max(1, min(self.split, steps))
+        tiles = -(-n // self.rows)
+        return max(1, min(steps, -(-self.SPLIT_AUTO_WAVES * sms // tiles)))
+
+
+# Per architecture family (first guesses, to be swept: benchmarks/gemv_tiles.py). One warp of 64
+# rows keeps the activations' MMA operand for 4 row tiles (sm_90a SASS: ~1.9 instructions per
+# weight value in the K loop, against ~5.8 for the FMA GEMV's 8,256,8 tile).
+DENSE_MMAV_TILES: dict[str, DenseMmavTiles] = {
+    _platform.SM90: DenseMmavTiles(64, 256, 0, 1, 3),
+    _platform.SM12X: DenseMmavTiles(64, 256, 0, 1, 3),
+    _platform.INTERPRETER: DenseMmavTiles(16, 32, 2, 1, 1),
+}
+DENSE_MMAV_TILES_ENV = "VLLM_SM121_DENSE_MMAV_TILES"
+
+
+def dense_mmav_tiles(t: torch.Tensor) -> DenseMmavTiles:
+    env = os.environ.get(DENSE_MMAV_TILES_ENV, "").strip()
+    if env:
+        return DenseMmavTiles.parse(env)
+    return DENSE_MMAV_TILES[_platform.family_of(t)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(t: torch.Tensor) -> int:
+    if t.device.type != "cuda":
+        return 4  # the interpreter: a few splits exercise the split-K sum
+    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +304,9 @@ def select_path(m: int, n: int = 0) -> str:
     $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the FMA limit for every N;
     $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM.
     """
+    mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, DENSE_MMAV_MAX_M)
+    if 1 <= m <= min(mmav_max, DENSE_MMAV_KERNEL_MAX_M):
+        return "mmav"
     fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
@@ -388,6 +475,8 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     m, n, k = _check_linear(x, w, scale, bias)
     if path == "fma" and m > DENSE_FMA_KERNEL_MAX_M:
         raise ValueError(f"path='fma' takes at most {DENSE_FMA_KERNEL_MAX_M} tokens, got M={m}")
+    if path == "mmav" and m > DENSE_MMAV_KERNEL_MAX_M:
+        raise ValueError(f"path='mmav' takes at most {DENSE_MMAV_KERNEL_MAX_M} tokens, got M={m}")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -395,6 +484,8 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         path = select_path(m, n)
     if path == "fma":
         return _dense_fma(x, w, scale, bias, out)
+    if path == "mmav":
+        return _dense_mmav(x, w, scale, bias, out)
     if path == "w8a8":
         reason = w8a8_unsupported_reason(x, n, k)
         if reason:
@@ -450,7 +541,32 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
     return out
 
 
-def _rope_tiles_fit(tiles: DenseFmaTiles, rope_rows: int, head: int) -> bool:
+def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    tiles = dense_mmav_tiles(x)
+    gpu = _platform.family_of(x) != _platform.INTERPRETER
+    split = tiles.splits(n, k, _device_sms(x))
+    n_tiles = -(-n // tiles.rows)
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        cnt = split_counters(x.device, n_tiles, "dense")
+    else:
+        part = cnt = scale  # (unused)
+    extra = {}
+    if rope is not None:  # (positions, cos_sin_cache, rope_rows, head_size), checked by dense_fp8_linear_rope
+        positions, cache, rope_rows, head = rope
+        extra = dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows,
+                     HEAD=head)
+    _dense_fp8_mmav_kernel[(n_tiles, split)](
+        x, w.view(torch.uint8), scale, bias if bias is not None else scale, out, part, cnt, m, n, x.stride(0),
+        out.stride(0), K=k, BLOCK_N=tiles.rows, BLOCK_K=min(tiles.kb, V._next_pow2(k)), SPLIT=split,
+        HAS_BIAS=bias is not None, X_SHIFT=DENSE_MMAV_X_SHIFT, DOT_FP32=not gpu, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **extra)
+    return out
+
+
+def _rope_tiles_fit(tiles, rope_rows: int, head: int) -> bool:
     """The FMA kernel can rotate in its epilogue: each program's rows pair up inside one head's halves."""
     half = tiles.rows // 2
     return half >= 1 and (head // 2) % half == 0 and rope_rows % tiles.rows == 0
@@ -490,6 +606,12 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         _check_kv_write(kv_write, m, n, rope_rows, head_size, x.device)
     if path == "auto":
         path = select_path(m, n)
+    if (path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and kv_write is None
+            and _rope_tiles_fit(dense_mmav_tiles(x), rope_rows, head_size)):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        if m == 0:
+            return out
+        return _dense_mmav(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
     if path == "fma" and m <= DENSE_FMA_KERNEL_MAX_M and _rope_tiles_fit(dense_fma_tiles(x, m, n), rope_rows,
                                                                         head_size):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
