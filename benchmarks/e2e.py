@@ -249,6 +249,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-mmav", _all_on(),
            "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at few tokens", **OFF,
            env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")))),
+    # The FMA dense GEMVs launched as programmatic dependents (weights before griddepcontrol.wait)
+    Config("sm121-all-moe-dpdl", _all_on(),
+           "sm121-all-moe + the dense GEMVs launched with PDL (first weights before the wait)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_DENSE_PDL", "1"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

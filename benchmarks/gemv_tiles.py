@@ -48,6 +48,8 @@ def parse_args(argv=None):
                    "'default' = the shipped tiles")
     p.add_argument("--mmav-tiles", default="", help="';'-separated $VLLM_SM121_DENSE_MMAV_TILES values "
                    "(rows,kb,split,warps,stages; split 0 = auto); 'default' = the shipped tiles")
+    p.add_argument("--pdl", action="store_true", help="also time each FMA tile launched with PDL ($VLLM_SM121_DENSE_PDL=1): "
+                   "every GEMV of the chain a programmatic dependent of the one before")
     p.add_argument("--no-cublas", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="results/gemv_tiles.json")
@@ -70,15 +72,18 @@ def _time_graph(mb, fn, reps: int) -> float:
     return statistics.median(mb._replay_us(g) for _ in range(reps))
 
 
-def candidates(args) -> list[tuple[str, str, str]]:
-    """(path, env var, tile value; "" = shipped tiles)."""
+def candidates(args) -> list[tuple[str, dict, str]]:
+    """(path, env vars to set, label)."""
     from vllm_sm121.kernels import dense as D
 
     out = []
     for path, env, text in (("fma", D.DENSE_FMA_TILES_ENV, args.fma_tiles),
                             ("mmav", D.DENSE_MMAV_TILES_ENV, args.mmav_tiles)):
         for t in _tiles(text):
-            out.append((path, env, "" if t == "default" else t))
+            tile = {} if t == "default" else {env: t}
+            out.append((path, tile, t))
+            if path == "fma" and args.pdl:
+                out.append((path, {**tile, D.DENSE_PDL_ENV: "1"}, t + "+pdl"))
     return out
 
 
@@ -113,8 +118,7 @@ def run(args, mb, copy_gbps) -> list[dict]:
             for path, env, tile in candidates(args):
                 if path == "fma" and m > D.DENSE_FMA_KERNEL_MAX_M:
                     continue
-                if tile:
-                    os.environ[env] = tile  # read by the launcher at call time
+                os.environ.update(env)  # read by the launcher at call time
                 try:
                     out = gemv(0, path)
                     if ref is None:
@@ -124,18 +128,18 @@ def run(args, mb, copy_gbps) -> list[dict]:
                     hot = (_time_graph(mb, lambda: [gemv(0, path) for _ in range(max(copies, 8))], args.reps)
                            / max(copies, 8)) if shape != "lm_head" else None
                 except Exception as e:  # noqa: BLE001 - a tile that cannot compile or run is a result
-                    print(f"{shape} M={m} {path} [{tile or 'default'}]: error {type(e).__name__}: {e}")
-                    records.append(dict(shape=shape, m=m, path=path, tile=tile or "default",
+                    print(f"{shape} M={m} {path} [{tile}]: error {type(e).__name__}: {e}")
+                    records.append(dict(shape=shape, m=m, path=path, tile=tile,
                                         error=f"{type(e).__name__}: {e}"[:300]))
                     continue
                 finally:
-                    if tile:
-                        os.environ.pop(env)
+                    for key in env:
+                        os.environ.pop(key)
                 gbps = moved / cold / 1e3
-                records.append(dict(shape=shape, m=m, path=path, tile=tile or "default", cold_us=cold, hot_us=hot,
+                records.append(dict(shape=shape, m=m, path=path, tile=tile, cold_us=cold, hot_us=hot,
                                     bytes=moved, gbps=gbps, pct_copy_bw=100 * gbps / copy_gbps,
                                     rel_vs_first=rel, copies=copies))
-                print(f"{shape:<8}M={m:<3}{path:<5}[{tile or 'default':<16}] cold {cold:8.2f} us "
+                print(f"{shape:<8}M={m:<3}{path:<5}[{tile:<20}] cold {cold:8.2f} us "
                       f"({gbps:6.0f} GB/s, {100 * gbps / copy_gbps:4.1f}% copy)  hot "
                       f"{'-' if hot is None else f'{hot:.2f}'} us  rel vs first {rel:.1e}", flush=True)
             if not args.no_cublas and shape != "lm_head":

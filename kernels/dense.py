@@ -138,6 +138,19 @@ DENSE_W8A8_MIN_M = 0
 DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
 PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
 
+# Programmatic dependent launch of the FMA GEMV (opt-in, $VLLM_SM121_DENSE_PDL=1, read at each call;
+# GPU only): the GEMV is launched as a programmatic dependent of the kernel before it, loads its first
+# K step's weights, then waits for that kernel (``griddepcontrol.wait``) and lets the next one launch.
+DENSE_PDL_ENV = "VLLM_SM121_DENSE_PDL"
+
+
+def dense_pdl(t: torch.Tensor) -> dict:
+    """The FMA GEMV's PDL launch options on ``t``'s device: {} when off (or on the interpreter)."""
+    if _platform.family_of(t) == _platform.INTERPRETER or V.env_int(DENSE_PDL_ENV, 0) == 0:
+        return {}
+    return dict(PDL=True, launch_pdl=True)
+
+
 # Decode for up to DENSE_MMAV_KERNEL_MAX_M tokens on the tensor cores (``dense_details/_dense_mmav.py``:
 # cp.async-pipelined e4m3 weights, fp16 MMAs, split-K with an in-kernel ordered sum). path="auto"
 # takes it for M <= DENSE_MMAV_MAX_M (before the FMA path); $VLLM_SM121_DENSE_MMAV_MAX_M (read at
@@ -537,7 +550,7 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
     _dense_fp8_fma_kernel[(-(-n // tiles.rows),)](
         xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
-        num_warps=tiles.num_warps, **extra)
+        num_warps=tiles.num_warps, **extra, **dense_pdl(x))
     return out
 
 

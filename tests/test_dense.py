@@ -459,3 +459,34 @@ def test_qkv_gemv_kv_write_gpt_oss_120b_graph_replay_on_gpu(m):
         assert int(K.split_counters(x.device, purpose="qkv_kv").abs().sum()) == 0
     plain = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="fma")
     assert torch.equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_dense_fma_pdl_chain_matches(m, monkeypatch):
+    """$VLLM_SM121_DENSE_PDL=1: a graph of dependent GEMVs (each one's output the next one's input,
+    every launch a programmatic dependent of the one before, the rotation on qkv) gives the same bits
+    as the plain launches."""
+    x, q, s, b = _gpt_oss_case("o", m)
+    xq, qq, sq, bq = _gpt_oss_case("qkv", m)
+    g = torch.Generator().manual_seed(3)
+    ang = torch.rand(4096, 32, generator=g) * 6.3
+    cache = torch.cat((ang.cos(), ang.sin()), dim=-1).cuda()
+    pos = torch.randint(0, 4096, (m,), generator=g).cuda()
+
+    def chain():
+        h = D.dense_fp8_linear(x, q, s, b, path="fma")  # [m, 2880]
+        qkv = D.dense_fp8_linear_rope(h, qq, sq, bq, pos, cache, 72 * 64, 64, path="fma")  # [m, 5120]
+        return D.dense_fp8_linear(qkv[:, :4096].contiguous(), q, s, b, path="fma")
+
+    plain = chain()
+    monkeypatch.setenv(D.DENSE_PDL_ENV, "1")
+    assert D.dense_pdl(x) == dict(PDL=True, launch_pdl=True)
+    assert torch.equal(chain(), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
+from ..moe_details._mx import pdl_wait_then_release
 from ..fp4_kv_details._fp4_kv import nvfp4_store_slot
 from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
 
@@ -70,6 +71,27 @@ def _token_dot(w0, w1, w2, w3, x_row, offs_w, w_ok, BLOCK_R: tl.constexpr, BLOCK
     s += w2 * x2[None, :]
     s += w3 * x3[None, :]
     return tl.sum(tl.reshape(s, [BLOCK_R, BLOCK_KW // 4, 4]), axis=2)
+
+
+@triton.jit
+def _k_step(w, k0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW: tl.constexpr, NT: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """One K step: the loaded weight words ``w`` [BLOCK_R, BLOCK_KW] at word ``k0``, decoded once, times
+    each of the NT tokens' activations, into their accumulators."""
+    offs_w = k0 + offs_c
+    w_ok = offs_w < KW
+    w0 = e4m3_word_byte(w, 0)
+    w1 = e4m3_word_byte(w, 1)
+    w2 = e4m3_word_byte(w, 2)
+    w3 = e4m3_word_byte(w, 3)
+    acc0 += _token_dot(w0, w1, w2, w3, x_ptr, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+    if NT > 1:
+        acc1 += _token_dot(w0, w1, w2, w3, x_ptr + stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+    if NT > 2:
+        acc2 += _token_dot(w0, w1, w2, w3, x_ptr + 2 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+    if NT > 3:
+        acc3 += _token_dot(w0, w1, w2, w3, x_ptr + 3 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -178,6 +200,7 @@ def _dense_fp8_fma_kernel(
     Q_ROWS: tl.constexpr = 0,
     KV_HEADS: tl.constexpr = 1,
     KV_BLOCK: tl.constexpr = 16,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (opt-in, kernels/dense.py)
 ):
     KW: tl.constexpr = K // 4
     if ROPE:
@@ -200,7 +223,7 @@ def _dense_fp8_fma_kernel(
     else:
         bias = scale
     c0, c1, c2, c3, sn0, sn1, sn2, sn3 = scale, scale, scale, scale, scale, scale, scale, scale  # (unused without ROPE)
-    if ROPE:  # the rotation factors too, before the loop (positions, then the cache: off the weights' path)
+    if ROPE and not PDL:  # the rotation factors too, before the loop (positions, then the cache: off the weights' path)
         c0, sn0 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 0, rot_j, rot_sign, HEAD)
         if NT > 1:
             c1, sn1 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 1, rot_j, rot_sign, HEAD)
@@ -208,21 +231,26 @@ def _dense_fp8_fma_kernel(
             c2, sn2 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 2, rot_j, rot_sign, HEAD)
         if NT > 3:
             c3, sn3 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 3, rot_j, rot_sign, HEAD)
-    for k0 in range(0, KW, BLOCK_KW):
+    k_start = 0
+    if PDL:  # the first K step's weights are in flight before the wait for the activations' producer
+        w = tl.load(w_base + offs_c[None, :], mask=(offs_c < KW)[None, :], other=0)
+        pdl_wait_then_release()
+        if ROPE:  # positions: written by an earlier kernel, read after the wait
+            c0, sn0 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 0, rot_j, rot_sign, HEAD)
+            if NT > 1:
+                c1, sn1 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 1, rot_j, rot_sign, HEAD)
+            if NT > 2:
+                c2, sn2 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 2, rot_j, rot_sign, HEAD)
+            if NT > 3:
+                c3, sn3 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 3, rot_j, rot_sign, HEAD)
+        acc0, acc1, acc2, acc3 = _k_step(w, 0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
+                                         BLOCK_KW)
+        k_start = BLOCK_KW
+    for k0 in range(k_start, KW, BLOCK_KW):
         offs_w = k0 + offs_c
-        w_ok = offs_w < KW
-        w = tl.load(w_base + offs_w[None, :], mask=w_ok[None, :], other=0)
-        w0 = e4m3_word_byte(w, 0)
-        w1 = e4m3_word_byte(w, 1)
-        w2 = e4m3_word_byte(w, 2)
-        w3 = e4m3_word_byte(w, 3)
-        acc0 += _token_dot(w0, w1, w2, w3, x_ptr, offs_w, w_ok, BLOCK_R, BLOCK_KW)
-        if NT > 1:
-            acc1 += _token_dot(w0, w1, w2, w3, x_ptr + stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
-        if NT > 2:
-            acc2 += _token_dot(w0, w1, w2, w3, x_ptr + 2 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
-        if NT > 3:
-            acc3 += _token_dot(w0, w1, w2, w3, x_ptr + 3 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        w = tl.load(w_base + offs_w[None, :], mask=(offs_w < KW)[None, :], other=0)
+        acc0, acc1, acc2, acc3 = _k_step(w, k0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
+                                         BLOCK_KW)
     _epilogue(acc0, scale, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS, c0, sn0, ROPE, BLOCK_R)
     if NT > 1:
         _epilogue(acc1, scale, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS, c1, sn1, ROPE, BLOCK_R)
