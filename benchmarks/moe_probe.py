@@ -18,6 +18,7 @@ under ``ncu`` (``--ncu``: few replays, no timing loop) to read the stall reasons
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -30,7 +31,7 @@ import triton.language as tl
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-from moe import FLUSH_BYTES, measure_copy_bandwidth, time_graph  # noqa: E402  (one call per graph replay)
+from moe import FLUSH_BYTES, _replay_us, measure_copy_bandwidth, time_graph  # noqa: E402  (one call per graph replay)
 
 
 @triton.jit
@@ -69,6 +70,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--ncu", action="store_true", help="3 launches of each kernel, no timing (run under ncu)")
     ap.add_argument("--no-stream", dest="stream", action="store_false", help="only the shipped FMA kernels")
+    ap.add_argument("--rotate", action="store_true",
+                    help="no L2 flush: one graph of 128 / (M * top-k) calls, each on experts no other call of the "
+                         "graph reads (cold weights, clean L2, as in a decode step); also 'hot' (one call's "
+                         "experts again and again)")
+    ap.add_argument("--block-c", default="64", help="stream kernel: int32 words per row per step (comma list)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -91,15 +97,40 @@ def main(argv=None) -> int:
     reps = 3 if args.ncu else args.reps
     recs = []
 
-    def report(name, m, nbytes, fn):
-        t = statistics.median(time_graph(fn, reps, flush)[0])
+    def graph_us(fns) -> float:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+        graph.replay()
+        torch.cuda.synchronize()
+        return statistics.median(_replay_us(graph) for _ in range(reps)) / len(fns)
+
+    def report(name, m, nbytes, fn, sets=None):
+        """fn(): one call; with --rotate, fn(j) is the call on expert set j of ``sets``."""
+        if args.rotate:
+            t = graph_us([lambda j=j: fn(j) for j in range(sets)])
+            hot = graph_us([lambda: fn(0)] * sets)
+            recs.append(dict(name=name + " [hot]", m=m, us=hot, bytes=nbytes, gbps=nbytes / hot / 1e3,
+                             pct_copy_bw=100 * nbytes / hot / 1e3 / copy_gbps))
+            print(f"{name + ' [hot, L2]':44s} M={m}  {hot:8.1f} us  {nbytes / hot / 1e3:7.0f} GB/s")
+            name += " [cold, rotating]"
+        else:
+            t = statistics.median(time_graph(fn, reps, flush)[0])
         gbps = nbytes / t / 1e3
         rec = dict(name=name, m=m, us=t, bytes=nbytes, gbps=gbps, pct_copy_bw=100 * gbps / copy_gbps)
         recs.append(rec)
-        print(f"{name:34s} M={m}  {t:8.1f} us  {gbps:7.0f} GB/s  {rec['pct_copy_bw']:5.1f}%")
+        print(f"{name:44s} M={m}  {t:8.1f} us  {gbps:7.0f} GB/s  {rec['pct_copy_bw']:5.1f}%")
 
     for m in [int(x) for x in args.m.split(",")]:
         ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).to(dev, torch.int32)
+        sets = e // (m * topk)  # --rotate: disjoint expert sets, every expert once per graph replay
+        perm = torch.randperm(e, generator=g)
+        ids_j = [perm[j * m * topk:(j + 1) * m * topk].view(m, topk).to(dev, torch.int32) for j in range(sets)]
+        uniq_j = [t.flatten().sort().values for t in ids_j]
         slots = ids.flatten()
         nexp = len(set(slots.tolist()))
         fc1_bytes = nexp * (2 * i * (h // 2 + h // 32))
@@ -108,23 +139,26 @@ def main(argv=None) -> int:
         for what, w, rows_total, kw, nbytes in (("fc1", w13, 2 * i, h // 8, fc1_bytes), ("fc2", w2, h, i // 8, fc2_bytes))[
                 :2 if args.stream else 0]:
             wi = w.view(torch.int32)
-            for split in [int(x) for x in args.splits.split(",")]:
-                for warps in [int(x) for x in args.warps.split(",")]:
-                    tiles = -(-rows_total // 64)
-                    out = torch.empty(len(uniq) * tiles * split, dtype=torch.int32, device=dev)
+            for split, warps, bc in itertools.product([int(x) for x in args.splits.split(",")],
+                                                       [int(x) for x in args.warps.split(",")],
+                                                       [int(x) for x in args.block_c.split(",")]):
+                tiles = -(-rows_total // 64)
+                out = torch.empty(len(uniq) * tiles * split, dtype=torch.int32, device=dev)
 
-                    def fn(wi=wi, out=out, tiles=tiles, split=split, warps=warps, rows_total=rows_total, kw=kw):
-                        _stream_kernel[(len(uniq), tiles, split)](wi, uniq, out, ROWS_TOTAL=rows_total, KW=kw,
-                                                                  BLOCK_R=64, BLOCK_C=64, SPLIT=split,
-                                                                  num_warps=warps)
-                    report(f"stream {what} 64 rows split {split} w{warps}", m, nbytes, fn)
+                def fn(j=None, wi=wi, out=out, tiles=tiles, split=split, warps=warps, rows_total=rows_total, kw=kw,
+                       bc=bc):
+                    _stream_kernel[(len(uniq), tiles, split)](wi, uniq if j is None else uniq_j[j], out,
+                                                              ROWS_TOTAL=rows_total, KW=kw, BLOCK_R=64, BLOCK_C=bc,
+                                                              SPLIT=split, num_warps=warps)
+                report(f"stream {what} 64x{bc * 4}B split {split} w{warps}", m, nbytes, fn, sets)
         x = torch.randn(m, h, generator=g).bfloat16().to(dev)
         a, a_s = K.mxfp8_quantize(x)
         wts = torch.full((m, topk), 0.25, dtype=torch.float32, device=dev)
         hq, hs = K.moe_fc1_swiglu_fma(a, a_s, w13, w13s, b13, ids)
-        report("fc1 fma (shipped tiles)", m, fc1_bytes, lambda: K.moe_fc1_swiglu_fma(a, a_s, w13, w13s, b13, ids))
+        report("fc1 fma (shipped tiles)", m, fc1_bytes,
+               lambda j=None: K.moe_fc1_swiglu_fma(a, a_s, w13, w13s, b13, ids if j is None else ids_j[j]), sets)
         report("fc2+combine fma (shipped tiles)", m, fc2_bytes,
-               lambda: K.moe_fc2_combine_fma(hq, hs, w2, w2s, b2, ids, wts))
+               lambda j=None: K.moe_fc2_combine_fma(hq, hs, w2, w2s, b2, ids if j is None else ids_j[j], wts), sets)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps,
                                               "records": recs}, indent=1))

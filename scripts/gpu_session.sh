@@ -64,7 +64,7 @@ for step in "$@"; do
     moebench) python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moebench.log" | tail -n 80 ;;
     moegsweep) python3 benchmarks/moe.py --m "${MOE_M:-8,64,512,4096}" --providers "${MOE_PROVIDERS:-sm121_grouped,triton}" ${MOE_GROUPED_TILES:+--grouped-tiles "$MOE_GROUPED_TILES"} --out "$OUT/moe_grouped_sweep${MOE_TAG:-}.json" 2>&1 | tee "$OUT/moegsweep${MOE_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 70 ;;
     moepdl) for v in 0 1; do VLLM_SM121_MOE_PDL=$v python3 benchmarks/moe.py --m 1,2,4 --in-graph "${MOE_IN_GRAPH:-0}" --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,1;64,256,32,256,4,1,4,2}" --out "$OUT/moe_pdl$v.json" 2>&1 | tee "$OUT/moepdl$v.log" | grep -E "^(tile|fastest|[0-9])" | tail -n 12; done ;;  # programmatic dependent launch off / on
-    moeprobe) python3 benchmarks/moe_probe.py --out "$OUT/moe_probe.json" 2>&1 | tee "$OUT/moeprobe.log" | grep -v "^INFO\|^WARNING" | tail -n 40
+    moeprobe) python3 benchmarks/moe_probe.py ${MOEPROBE_ARGS:-} --out "$OUT/moe_probe.json" 2>&1 | tee "$OUT/moeprobe.log" | grep -v "^INFO\|^WARNING" | tail -n 40
               ncu --clock-control none -k "regex:_moe_fc1_swiglu_fma|_moe_fc2_fma|_stream_kernel" --launch-count ${NCU_COUNT:-10} \
                 --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
                 --section MemoryWorkloadAnalysis python3 benchmarks/moe_probe.py --ncu --m ${NCU_M:-1} --splits 1,3 --warps 4 \
