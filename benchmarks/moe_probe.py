@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import json
 import statistics
 import sys
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
                     help="no L2 flush: one graph of 128 / (M * top-k) calls, each on experts no other call of the "
                          "graph reads (cold weights, clean L2, as in a decode step); also 'hot' (one call's "
                          "experts again and again)")
+    ap.add_argument("--fma-tiles", default="", help="';'-separated $VLLM_SM121_MOE_FMA_TILES values to time the FMA "
+                    "kernels with (each optionally '@<maxnreg>'); '' = the shipped tiles only")
     ap.add_argument("--block-c", default="64", help="stream kernel: int32 words per row per step (comma list)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -155,10 +158,25 @@ def main(argv=None) -> int:
         a, a_s = K.mxfp8_quantize(x)
         wts = torch.full((m, topk), 0.25, dtype=torch.float32, device=dev)
         hq, hs = K.moe_fc1_swiglu_fma(a, a_s, w13, w13s, b13, ids)
-        report("fc1 fma (shipped tiles)", m, fc1_bytes,
-               lambda j=None: K.moe_fc1_swiglu_fma(a, a_s, w13, w13s, b13, ids if j is None else ids_j[j]), sets)
-        report("fc2+combine fma (shipped tiles)", m, fc2_bytes,
-               lambda j=None: K.moe_fc2_combine_fma(hq, hs, w2, w2s, b2, ids if j is None else ids_j[j], wts), sets)
+        for tile in [""] + [t.strip() for t in args.fma_tiles.split(";") if t.strip()]:
+            spec, _, nreg = tile.partition("@")
+            env = {K.FMA_TILES_ENV: spec} if spec else {}
+            if nreg:
+                env[K.FMA_MAXNREG_ENV] = nreg
+            os.environ.update(env)
+            try:
+                label = f"[{tile}]" if tile else "(shipped tiles)"
+                report(f"fc1 fma {label}", m, fc1_bytes,
+                       lambda j=None: K.moe_fc1_swiglu_fma(a, a_s, w13, w13s, b13, ids if j is None else ids_j[j]),
+                       sets)
+                report(f"fc2+combine fma {label}", m, fc2_bytes,
+                       lambda j=None: K.moe_fc2_combine_fma(hq, hs, w2, w2s, b2, ids if j is None else ids_j[j], wts),
+                       sets)
+            except Exception as e:  # noqa: BLE001 - a tile that cannot compile or run is a result
+                print(f"fma [{tile}]: error {type(e).__name__}: {str(e)[:200]}")
+            finally:
+                for key in env:
+                    os.environ.pop(key)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps,
                                               "records": recs}, indent=1))
