@@ -253,6 +253,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-dpdl", _all_on(),
            "sm121-all-moe + the dense GEMVs launched with PDL (first weights before the wait)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_DENSE_PDL", "1"))),
+    # Every plugin kernel of the decode step launched as a programmatic dependent ($VLLM_SM121_PDL)
+    Config("sm121-all-moe-steppdl", _all_on(),
+           "sm121-all-moe + the decode step's plugin kernels launched with PDL (weights before the wait)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_PDL", "1"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

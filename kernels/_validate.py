@@ -15,6 +15,21 @@ SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 256)
 BLOCK_SIZE_MULTIPLE = 16
 MAX_BLOCK_SIZE = 1024
 
+# Programmatic dependent launch of the decode step's plugin kernels (opt-in, $VLLM_SM121_PDL=1, read
+# at each launch, i.e. at CUDA-graph capture): each kernel is launched as a programmatic dependent of
+# the one before it, issues only loads of weights (never written) before ``griddepcontrol.wait``, and
+# lets the next kernel launch right after its wait (so a kernel's pre-wait loads overlap the tail of
+# the one before, and at most two kernels' work is in flight). GPU only (sm_90+ and sm_12x).
+PDL_ENV = "VLLM_SM121_PDL"
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The kernels' ``PDL`` flag and Triton's ``launch_pdl`` for a launch on ``t``'s device: {} when
+    $VLLM_SM121_PDL is unset / 0 or on the CPU (the interpreter)."""
+    if t.device.type != "cuda" or env_int(PDL_ENV, 0) == 0:
+        return {}
+    return dict(PDL=True, launch_pdl=True)
+
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:

@@ -146,8 +146,10 @@ DENSE_PDL_ENV = "VLLM_SM121_DENSE_PDL"
 
 def dense_pdl(t: torch.Tensor) -> dict:
     """The FMA GEMV's PDL launch options on ``t``'s device: {} when off (or on the interpreter)."""
-    if _platform.family_of(t) == _platform.INTERPRETER or V.env_int(DENSE_PDL_ENV, 0) == 0:
+    if _platform.family_of(t) == _platform.INTERPRETER:
         return {}
+    if V.env_int(DENSE_PDL_ENV, 0) == 0:
+        return V.pdl_launch(t)  # the decode step's switch ($VLLM_SM121_PDL) includes the GEMVs
     return dict(PDL=True, launch_pdl=True)
 
 

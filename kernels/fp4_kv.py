@@ -137,7 +137,7 @@ def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapp
         slot_mapping, k_pages.global_scale, v_pages.global_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_pages.data.stride(0), k_pages.scales.stride(0), v_pages.data.stride(0), v_pages.scales.stride(0),
-        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_pages.shape[2], HEAD=head_size, num_warps=1,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_pages.shape[2], HEAD=head_size, num_warps=1, **V.pdl_launch(key),
     )
 
 

@@ -469,7 +469,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
             LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
             SCALES_AHEAD=scales_ahead(), **route_kw, **pf_kw,
-            num_warps=tiles.num_warps, num_stages=1, **moe_pdl(a), **fma_maxnreg(a))
+            num_warps=tiles.num_warps, num_stages=1, **(moe_pdl(a) or V.pdl_launch(a)), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -548,6 +548,9 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
     part = torch.empty(m * topk * split, hidden, dtype=torch.float32, device=h.device)
     pdl = moe_pdl(h)
+    # $VLLM_SM121_PDL (the decode step's switch) without $VLLM_SM121_MOE_PDL: FC2 waits first thing
+    # (with the routing fused into FC1, FC1 writes what FC2 reads first)
+    pdl_top = dict(PDL_TOP=True, launch_pdl=True) if not pdl and V.pdl_launch(h) else {}
     tma = _tma_stages(h, stages)
     n_tiles = -(-hidden // rows)
     combine = fused_combine(m)
@@ -564,12 +567,12 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
             BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
             SCALES_AHEAD=scales_ahead(),
-            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **fma_maxnreg(h), **pf_kw)
+            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **pdl_top, **fma_maxnreg(h), **pf_kw)
     if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,
-                                                      num_warps=4, **pdl)
+                                                      num_warps=4, **(pdl or V.pdl_launch(h)))
     return out
 
 

@@ -102,7 +102,8 @@ def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: tor
         # performance hyper-parameters: one row per program; 2880 bf16 = 5.6 KB per row.
         _add_rmsnorm_mxfp8_kernel[(t,)](x, residual, residual_out, weight, y, q, s, float(eps), x.stride(0),
                                         residual.stride(0), residual_out.stride(0), y.stride(0), q.stride(0),
-                                        s.stride(0), H=h, BLOCK_H=block_h, num_warps=4 if block_h >= 2048 else 2)
+                                        s.stride(0), H=h, BLOCK_H=block_h, num_warps=4 if block_h >= 2048 else 2,
+                                        **V.pdl_launch(x))
     return y, q.view(torch.float8_e4m3fn), s
 
 
@@ -139,7 +140,7 @@ def fused_add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weig
         _add_rmsnorm_mxfp8_router_kernel[(t, e // block_e)](
             x, residual, weight, router_w, router_b, res, q, s, g, float(eps), x.stride(0), residual.stride(0),
             router_w.stride(0), res.stride(0), q.stride(0), s.stride(0), g.stride(0), H=h, E=e, BLOCK_H=block_h,
-            BLOCK_E=block_e, QBLOCKS=qblocks, num_warps=warps)
+            BLOCK_E=block_e, QBLOCKS=qblocks, num_warps=warps, **V.pdl_launch(x))
     return res, q.view(torch.float8_e4m3fn), s, g
 
 

@@ -39,7 +39,7 @@ from vllm_sm121 import platform as _platform
 
 from . import _validate as V
 from . import l2_prefetch
-from ._validate import _dummy, _next_pow2
+from ._validate import _dummy, _next_pow2, pdl_launch
 from .fp4_kv import Nvfp4Pages
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
@@ -417,7 +417,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
         and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
-        MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw,
+        MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw, **pdl_launch(q),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1 and not fused:
@@ -425,7 +425,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
             out, part_acc, part_ml, query_start_loc, sinks_t, v_scale_t,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            USE_SINKS=sinks is not None, KV_FP8=scaled,
+            USE_SINKS=sinks is not None, KV_FP8=scaled, **pdl_launch(q),
             num_warps=1 if head_pad <= 64 else 2,
         )
     return out

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache_details._codecs import nvfp4_quantize_rows
+from ..moe_details._mx import pdl_wait_then_release
 
 
 @triton.jit
@@ -28,9 +29,12 @@ def _fp4_kv_write_kernel(
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent ($VLLM_SM121_PDL): wait first thing
 ):
     """Program (token, side): side 0 writes the token's K, side 1 its V (two programs per token, so a
     one-token decode step spreads over two SMs instead of one warp doing both)."""
+    if PDL:
+        pdl_wait_then_release()
     tok = tl.program_id(0).to(tl.int64)
     side = tl.program_id(1)
     offs_h = tl.arange(0, NUM_KV_HEADS)

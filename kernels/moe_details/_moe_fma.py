@@ -505,6 +505,7 @@ def _moe_fc2_fma_kernel(
     PREFETCH: tl.constexpr,
     F16X2: tl.constexpr,
     PDL: tl.constexpr = False,  # a programmatic dependent of FC1: routing + first weights before the wait
+    PDL_TOP: tl.constexpr = False,  # a programmatic dependent that waits first thing ($VLLM_SM121_PDL)
     TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
     COMBINE: tl.constexpr = False,  # sum the partials into out_ptr here (no combine launch)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
@@ -513,6 +514,8 @@ def _moe_fc2_fma_kernel(
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
 ):
+    if PDL_TOP:
+        pdl_wait_then_release()
     p = tl.program_id(0)
     if PF and not PF_LATE:
         prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)

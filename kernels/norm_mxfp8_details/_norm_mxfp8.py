@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache_details._codecs import mxfp8_quantize_rows, to_bf16_rne
+from ..moe_details._mx import pdl_wait_then_release
 
 
 @triton.jit
@@ -49,7 +50,10 @@ def _add_rmsnorm_mxfp8_kernel(
     stride_s: tl.int64,
     H: tl.constexpr,
     BLOCK_H: tl.constexpr,  # power of two >= H
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent ($VLLM_SM121_PDL): wait first thing
 ):
+    if PDL:
+        pdl_wait_then_release()
     row = tl.program_id(0).to(tl.int64)
     offs, m, r, y, _ = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)  # one program per row: reads came first
@@ -81,6 +85,7 @@ def _add_rmsnorm_mxfp8_router_kernel(
     BLOCK_H: tl.constexpr,  # power of two >= H
     BLOCK_E: tl.constexpr,  # router outputs per program (divides E)
     QBLOCKS: tl.constexpr,  # MXFP8 blocks (32 values) per program, power of two; (E / BLOCK_E) * QBLOCKS * 32 >= H
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent ($VLLM_SM121_PDL): wait first thing
 ):
     """Program (t, j): token t's add + RMSNorm (recomputed by every j: 2 x H bf16 reads), router
     logits E[j*BLOCK_E : (j+1)*BLOCK_E] = bf16(y) . W + b (fp32 sums, bf16 out as upstream's bf16
@@ -100,6 +105,8 @@ def _add_rmsnorm_mxfp8_router_kernel(
     offs_q = j * (QBLOCKS * 32) + tl.arange(0, QBLOCKS * 32)
     mq = offs_q < H
     wq = tl.load(w_ptr + offs_q, mask=mq, other=0.0).to(tl.float32)
+    if PDL:  # the router and norm weights are in flight; the activations come from the previous kernel
+        pdl_wait_then_release()
     rq = to_bf16_rne(tl.load(x_ptr + row * stride_x + offs_q, mask=mq, other=0.0).to(tl.float32) + tl.load(
         res_ptr + row * stride_r + offs_q, mask=mq, other=0.0).to(tl.float32))
     offs, m, r, y, rstd = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)

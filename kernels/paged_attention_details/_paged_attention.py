@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
+from ..moe_details._mx import pdl_wait_then_release
 from .._prefetch import prefetch_l2
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
@@ -259,7 +260,10 @@ def _paged_attention_kernel(
     PF: tl.constexpr = False,  # FUSED_COMBINE: L2 prefetch of pf_ptr's bytes by the splits that see no KV
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent ($VLLM_SM121_PDL): wait first thing
 ):
+    if PDL:
+        pdl_wait_then_release()
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -544,7 +548,10 @@ def _combine_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        pdl_wait_then_release()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     row = tok.to(tl.int64) * num_q_heads + head
