@@ -19,25 +19,17 @@ versions, commit, config, records).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import math
 import os
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "lm_head": (201088, 2880)}  # N, K
-ROPE_ROWS, HEAD = 72 * 64, 64  # gpt-oss-120b: 64 q + 8 k heads of 64 are rotated
-
-
-def _load_moe_bench():
-    spec = importlib.util.spec_from_file_location("_moe_bench", REPO_ROOT / "benchmarks" / "moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+ROPE_ROWS, HEAD = 72 * 64, 64
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import l2_probe as probe  # noqa: E402  (its graph timer, and benchmarks/moe.py as probe._MOE)  # gpt-oss-120b: 64 q + 8 k heads of 64 are rotated
 
 
 def parse_args(argv=None):
@@ -60,18 +52,6 @@ def _tiles(text: str) -> list[str]:
     return [t.strip() for t in text.split(";") if t.strip()]
 
 
-def _time_graph(mb, fn, reps: int) -> float:
-    """Median µs of one replay of a graph of ``fn``."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return statistics.median(mb._replay_us(g) for _ in range(reps))
-
-
 def candidates(args) -> list[tuple[str, dict, str]]:
     """(path, env vars to set, label)."""
     from vllm_sm121.kernels import dense as D
@@ -87,20 +67,16 @@ def candidates(args) -> list[tuple[str, dict, str]]:
     return out
 
 
-def run(args, mb, copy_gbps) -> list[dict]:
+def run(args, copy_gbps) -> list[dict]:
     from vllm_sm121.kernels import dense as D
 
     dev = torch.device("cuda")
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     records = []
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
         wbytes = n * k
-        copies = max(1, math.ceil(4 * l2 / wbytes))
         g = torch.Generator(device=dev).manual_seed(0)
-        ws = [torch.randint(0, 120, (n, k), dtype=torch.uint8, device=dev, generator=g).view(torch.float8_e4m3fn)
-              for _ in range(copies)]
-        scales = [torch.rand(n, device=dev, generator=g) * 1e-2 for _ in range(copies)]
+        copies, ws, scales = probe.weight_copies(n, k, 1, dev, g)
         bias = torch.randn(n, device=dev, generator=g).bfloat16() if shape != "lm_head" else None
         ang = torch.rand(4096, HEAD // 2, device=dev, generator=g) * 6.3
         cache = torch.cat((ang.cos(), ang.sin()), dim=-1)
@@ -124,8 +100,8 @@ def run(args, mb, copy_gbps) -> list[dict]:
                     if ref is None:
                         ref = out
                     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    cold = _time_graph(mb, lambda: [gemv(i, path) for i in range(copies)], args.reps) / copies
-                    hot = (_time_graph(mb, lambda: [gemv(0, path) for _ in range(max(copies, 8))], args.reps)
+                    cold = probe._time_graph(lambda: [gemv(i, path) for i in range(copies)], args.reps) / copies
+                    hot = (probe._time_graph(lambda: [gemv(0, path) for _ in range(max(copies, 8))], args.reps)
                            / max(copies, 8)) if shape != "lm_head" else None
                 except Exception as e:  # noqa: BLE001 - a tile that cannot compile or run is a result
                     print(f"{shape} M={m} {path} [{tile}]: error {type(e).__name__}: {e}")
@@ -145,7 +121,7 @@ def run(args, mb, copy_gbps) -> list[dict]:
             if not args.no_cublas and shape != "lm_head":
                 wb = [(ws[i].float() * scales[i][:, None]).bfloat16() for i in range(copies)]
                 bf_moved = 2 * wbytes + 2 * m * k + 2 * m * n
-                cold = _time_graph(mb, lambda: [torch.nn.functional.linear(x, wb[i], bias) for i in range(copies)],
+                cold = probe._time_graph(lambda: [torch.nn.functional.linear(x, wb[i], bias) for i in range(copies)],
                                    args.reps) / copies
                 gbps = bf_moved / cold / 1e3
                 records.append(dict(shape=shape, m=m, path="cublas_bf16", tile="-", cold_us=cold, bytes=bf_moved,
@@ -162,18 +138,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/gemv_tiles.py needs a CUDA GPU")
         return 2
-    mb = _load_moe_bench()
-    copy_gbps = mb.measure_copy_bandwidth(torch.device("cuda"))
-    head = mb.header(torch.device("cuda"), copy_gbps)
-    head["benchmark"] = "gemv_tiles"
+    copy_gbps = probe._MOE.measure_copy_bandwidth(torch.device("cuda"))
+    head = probe._MOE.header(torch.device("cuda"), copy_gbps)
     print(f"device {head['device']}  copy bandwidth {copy_gbps:.0f} GB/s  commit {head['commit']}")
-    records = run(args, mb, copy_gbps)
-    head.update(config=dict(vars(args)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"header": head, "records": records}, indent=1))
-    print(f"wrote {out}")
-    return 0
+    return probe.write_results("gemv_tiles", head, run(args, copy_gbps), args)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,16 @@ def _time_graph(fn, reps: int) -> float:
     return statistics.median(_MOE._replay_us(g) for _ in range(reps))
 
 
+def weight_copies(n: int, k: int, min_copies: int, dev, g) -> tuple[int, list, list]:
+    """Enough random e4m3 [n, k] weight copies (and fp32 row scales) to fill 4x the L2 (at least
+    ``min_copies``), so a graph cycling through them reads each from DRAM: (copies, weights, scales)."""
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    copies = max(min_copies, math.ceil(4 * l2 / (n * k)))
+    ws = [torch.randint(0, 120, (n, k), dtype=torch.uint8, device=dev, generator=g).view(torch.float8_e4m3fn)
+          for _ in range(copies)]
+    return copies, ws, [torch.rand(n, device=dev, generator=g) * 1e-2 for _ in range(copies)]
+
+
 def run(args) -> tuple[list[dict], dict]:
     from vllm_sm121.kernels.dense import dense_fp8_linear
 
@@ -106,11 +116,8 @@ def run(args) -> tuple[list[dict], dict]:
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
         wbytes = n * k
-        copies = max(4, math.ceil(4 * l2 / wbytes))
         g = torch.Generator(device=dev).manual_seed(0)
-        ws = [torch.randint(0, 120, (n, k), dtype=torch.uint8, device=dev, generator=g).view(torch.float8_e4m3fn)
-              for _ in range(copies)]
-        scales = [torch.rand(n, device=dev, generator=g) * 1e-2 for _ in range(copies)]
+        copies, ws, scales = weight_copies(n, k, 4, dev, g)
         bias = torch.randn(n, device=dev, generator=g).bfloat16()
         x = torch.randn(1, k, device=dev, generator=g).bfloat16()
 
@@ -166,10 +173,14 @@ def main(argv=None) -> int:
         return 2
     copy_gbps = _MOE.measure_copy_bandwidth(torch.device("cuda"))
     head = _MOE.header(torch.device("cuda"), copy_gbps)
-    head["benchmark"] = "l2_probe"
     print(f"device {head['device']}  copy bandwidth {copy_gbps:.0f} GB/s  commit {head['commit']}")
     records, extra = run(args)
-    head.update(extra, config=dict(vars(args)))
+    return write_results("l2_probe", head, records, args, extra)
+
+
+def write_results(name: str, head: dict, records: list[dict], args, extra: dict | None = None) -> int:
+    """The JSON (header with the config, records) at ``args.out``."""
+    head.update(extra or {}, benchmark=name, config=dict(vars(args)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"header": head, "records": records}, indent=1))

@@ -106,6 +106,17 @@ def make_paged_batch(
     )
 
 
+def graph_replayed(fn, times: int = 3):
+    """``fn()``'s outputs as captured in a CUDA graph, after ``times`` replays (synchronized)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(times):
+        graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def logprob_gap(a, b) -> tuple[float, float]:
     """Mean and p99 of |delta logprob| over all scored tokens of two runs (lists of 1-D tensors)."""
     d = torch.cat([(x - y).abs() for x, y in zip(a, b)])

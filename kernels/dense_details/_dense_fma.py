@@ -123,6 +123,20 @@ def _rope_factors(pos_ptr, cs_ptr, stride_cs, t, j, sign, HEAD: tl.constexpr):
 
 
 @triton.jit
+def _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, j, sign, unused, HEAD: tl.constexpr, NT: tl.constexpr):
+    """``_rope_factors`` of tokens 0..NT-1: (c0, c1, c2, c3, sn0, sn1, sn2, sn3), ``unused`` past NT."""
+    c0, sn0 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 0, j, sign, HEAD)
+    c1, c2, c3, sn1, sn2, sn3 = unused, unused, unused, unused, unused, unused
+    if NT > 1:
+        c1, sn1 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 1, j, sign, HEAD)
+    if NT > 2:
+        c2, sn2 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 2, j, sign, HEAD)
+    if NT > 3:
+        c3, sn3 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 3, j, sign, HEAD)
+    return c0, c1, c2, c3, sn0, sn1, sn2, sn3
+
+
+@triton.jit
 def _swap_halves(y, BLOCK_R: tl.constexpr):
     """y [BLOCK_R] with its two halves exchanged (each row's rotation partner)."""
     a, b = tl.split(tl.trans(tl.reshape(y, [2, BLOCK_R // 2])))
@@ -224,25 +238,15 @@ def _dense_fp8_fma_kernel(
         bias = scale
     c0, c1, c2, c3, sn0, sn1, sn2, sn3 = scale, scale, scale, scale, scale, scale, scale, scale  # (unused without ROPE)
     if ROPE and not PDL:  # the rotation factors too, before the loop (positions, then the cache: off the weights' path)
-        c0, sn0 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 0, rot_j, rot_sign, HEAD)
-        if NT > 1:
-            c1, sn1 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 1, rot_j, rot_sign, HEAD)
-        if NT > 2:
-            c2, sn2 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 2, rot_j, rot_sign, HEAD)
-        if NT > 3:
-            c3, sn3 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 3, rot_j, rot_sign, HEAD)
+        c0, c1, c2, c3, sn0, sn1, sn2, sn3 = _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, rot_j, rot_sign, scale,
+                                                              HEAD, NT)
     k_start = 0
     if PDL:  # the first K step's weights are in flight before the wait for the activations' producer
         w = tl.load(w_base + offs_c[None, :], mask=(offs_c < KW)[None, :], other=0)
         pdl_wait_then_release()
         if ROPE:  # positions: written by an earlier kernel, read after the wait
-            c0, sn0 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 0, rot_j, rot_sign, HEAD)
-            if NT > 1:
-                c1, sn1 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 1, rot_j, rot_sign, HEAD)
-            if NT > 2:
-                c2, sn2 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 2, rot_j, rot_sign, HEAD)
-            if NT > 3:
-                c3, sn3 = _rope_factors(pos_ptr, cs_ptr, stride_cs, 3, rot_j, rot_sign, HEAD)
+            c0, c1, c2, c3, sn0, sn1, sn2, sn3 = _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, rot_j, rot_sign, scale,
+                                                                  HEAD, NT)
         acc0, acc1, acc2, acc3 = _k_step(w, 0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
                                          BLOCK_KW)
         k_start = BLOCK_KW
