@@ -304,6 +304,13 @@ def moe_specs(family: str) -> list[Spec]:
             for spec in (fc1_spec, fc2_spec):
                 specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", PDL]",
                                                  constexprs=dict(spec.constexprs, PDL=True)))
+            # the step-wide PDL switch (VLLM_SM121_PDL=1): FC2 waiting first thing; the activations by
+            # plain loads (VLLM_SM121_MOE_ACT_LDG=1, inline PTX)
+            specs.append(dataclasses.replace(fc2_spec, name=fc2_spec.name[:-1] + ", PDL first]",
+                                             constexprs=dict(fc2_spec.constexprs, PDL_TOP=True)))
+            for spec in (fc1_spec, fc2_spec):
+                specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", activations ldg]",
+                                                 constexprs=dict(spec.constexprs, ACT_LDG=True)))
             specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
                               constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
                               ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
@@ -440,9 +447,25 @@ def graph_specs(family: str) -> list[Spec]:
                  num_warps=1)]
 
 
+def pdl_specs(specs: list[Spec]) -> list[Spec]:
+    """$VLLM_SM121_PDL=1's variants (``griddepcontrol.wait`` / ``launch_dependents``) of the small
+    decode-step kernels and the one-token qkv GEMV (its first weights loaded before the wait); the
+    MoE's are in ``moe_specs``, the attention kernel's compile the same two instructions."""
+    wanted = ("add_rmsnorm_mxfp8[", "add_rmsnorm_mxfp8_router[", "fp4_kv_write[", "combine_splits[",
+              "dense_fp8_fma[qkv K2880, M1, rope]")
+    picked = {}
+    for spec in specs:
+        for w in wanted:
+            if spec.name.startswith(w) and w not in picked:
+                picked[w] = dataclasses.replace(spec, name=spec.name[:-1] + ", PDL]",
+                                                constexprs=dict(spec.constexprs, PDL=True))
+    return list(picked.values())
+
+
 def all_specs(family: str) -> list[Spec]:
-    return (attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
-            + moe_specs(family) + dense_specs(family) + graph_specs(family))
+    specs = (attention_specs(family) + kv_cache_specs(family) + nvfp4_specs(family) + norm_specs(family)
+             + moe_specs(family) + dense_specs(family) + graph_specs(family))
+    return specs + pdl_specs(specs)
 
 
 def compile_spec(spec: Spec, arch: int) -> Result:

@@ -381,6 +381,18 @@ def scales_ahead() -> bool:
     return V.env_int(SCALES_AHEAD_ENV, 1) != 0
 
 
+# The FMA GEMVs' activation words by plain ``ld.global.nc`` loads (opt-in, $VLLM_SM121_MOE_ACT_LDG=1,
+# read at call time; GPU only) instead of Triton's pipelined cp.async copies through shared memory,
+# which cost every K step a ``cp.async.wait_group`` + CTA barrier before the math (sm_90a PTX of the
+# TMA FC1 at M = 1: 3 -> 2 ``bar.sync`` per step). Stop 30 found FC1 stalled on shared memory 40% of
+# its cycles (ncu, H100); not timed yet (benchmarks/moe_probe.py --rotate).
+ACT_LDG_ENV = "VLLM_SM121_MOE_ACT_LDG"
+
+
+def act_ldg(t: torch.Tensor) -> bool:
+    return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(ACT_LDG_ENV, 0) != 0
+
+
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
@@ -468,7 +480,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
             LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
-            SCALES_AHEAD=scales_ahead(), **route_kw, **pf_kw,
+            SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(a), **route_kw, **pf_kw,
             num_warps=tiles.num_warps, num_stages=1, **(moe_pdl(a) or V.pdl_launch(a)), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
@@ -566,7 +578,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             E=e, H=hidden,
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
             BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
-            SCALES_AHEAD=scales_ahead(),
+            SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(h),
             COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **pdl_top, **fma_maxnreg(h), **pf_kw)
     if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))

@@ -887,3 +887,39 @@ def test_scales_ahead_changes_no_output_on_gpu(m, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+def test_act_ldg_switch(monkeypatch):
+    """$VLLM_SM121_MOE_ACT_LDG: off by default and always on the CPU (inline PTX); a bad value is
+    an error naming the variable."""
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
+    assert K.act_ldg(torch.zeros(1)) is False
+    monkeypatch.setenv(K.ACT_LDG_ENV, "1")
+    assert K.act_ldg(torch.zeros(1)) is False
+    if torch.cuda.is_available():
+        assert K.act_ldg(torch.zeros(1, device="cuda")) is True
+        monkeypatch.setenv(K.ACT_LDG_ENV, "on")
+        with pytest.raises(ValueError, match=K.ACT_LDG_ENV):
+            K.act_ldg(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_act_ldg_changes_no_output_on_gpu(m, monkeypatch):
+    """The activation words by plain loads instead of pipelined copies: the same bytes, eager and
+    graph-replayed (the FMA path at gpt-oss-120b shapes)."""
+    from helpers import graph_replayed
+
+    from vllm_sm121.kernels import moe as K
+
+    args = _gpt_oss_layer(128, seed=23)
+    g = torch.Generator().manual_seed(24)
+    xq, xs = K.mxfp8_quantize(torch.randn(m, 2880, generator=g).bfloat16().cuda())
+    logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
+    monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
+    ref = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
+    monkeypatch.setenv(K.ACT_LDG_ENV, "1")
+    assert torch.equal(K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma"), ref)
+    assert torch.equal(graph_replayed(lambda: K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")), ref)

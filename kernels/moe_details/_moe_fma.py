@@ -142,8 +142,20 @@ def _user(uses, slot, offs_t, U: tl.constexpr):
 
 
 @triton.jit
+def _ldg_nc_pair(ptr, ok):
+    """Two consecutive int32 words at each 8-byte aligned ``ptr`` (zeros where not ``ok``) by one
+    ``ld.global.nc.v2``: a load Triton's pipeliner does not turn into a cp.async + shared-memory
+    round trip (and its CTA barrier) per K step. Inline PTX (sm_90 and sm_12x; not the interpreter)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;"
+            " @p ld.global.nc.v2.b32 {$0, $1}, [$2]; }",
+        constraints="=r,=r,l,r", args=[ptr, ok.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
 def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c, c_ok, offs_g, g_ok,
-               K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, F16X2: tl.constexpr):
+               K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, F16X2: tl.constexpr,
+               ACT_LDG: tl.constexpr = False):
     """One token's contribution of a weight tile: [BLOCK_R, BLOCK_G] fp32 (true values).
 
     w: [BLOCK_R, 4 * BLOCK_G] int32 words (8 e2m1 each; 4 words = one 32-value group), or with
@@ -152,8 +164,11 @@ def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c
     ``row`` of int32 e4m3 words [*, K/4] (2 per weight word) and e8m0 scales [*, K/32].
     """
     a_words = act_ptr + row * (K // 4) + (g0 * 4 + offs_c) * 2
-    lo = tl.load(a_words, mask=c_ok, other=0)  # values 8c .. 8c+3 of weight word c
-    hi = tl.load(a_words + 1, mask=c_ok, other=0)  # values 8c+4 .. 8c+7
+    if ACT_LDG:  # (opt-in: plain cached loads instead of Triton's pipelined copies through shared memory)
+        lo, hi = _ldg_nc_pair(a_words, c_ok)
+    else:
+        lo = tl.load(a_words, mask=c_ok, other=0)  # values 8c .. 8c+3 of weight word c
+        hi = tl.load(a_words + 1, mask=c_ok, other=0)  # values 8c+4 .. 8c+7
     if F16X2:
         a0, a1, a2, a3 = _e4m3_pairs_f16(lo, hi)
         s = _dot8_f16(p0, p1, p2, p3, a0[None, :], a1[None, :], a2[None, :], a3[None, :])
@@ -175,7 +190,8 @@ def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c
 def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0, r1, r2, r3, u1, u2, u3,
                  g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr, PDL: tl.constexpr = False,
-                 w_desc=None, row0=0, TMA: tl.constexpr = 0, SCALES_AHEAD: tl.constexpr = True):
+                 w_desc=None, row0=0, TMA: tl.constexpr = 0, SCALES_AHEAD: tl.constexpr = True,
+                 ACT_LDG: tl.constexpr = False):
     """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
     up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
     over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
@@ -241,19 +257,19 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
             p2 = w
             p3 = w
         acc0 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r0, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
-                           BLOCK_R, BLOCK_G, F16X2)
+                           BLOCK_R, BLOCK_G, F16X2, ACT_LDG)
         if NT > 1:
             if u1:
                 acc1 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r1, w_exp, g0, offs_c, c_ok, offs_g,
-                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2)
+                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2, ACT_LDG)
         if NT > 2:
             if u2:
                 acc2 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r2, w_exp, g0, offs_c, c_ok, offs_g,
-                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2)
+                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2, ACT_LDG)
         if NT > 3:
             if u3:
                 acc3 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r3, w_exp, g0, offs_c, c_ok, offs_g,
-                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2)
+                                   g_ok, K, BLOCK_R, BLOCK_G, F16X2, ACT_LDG)
     return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1)
 
 
@@ -355,6 +371,7 @@ def _moe_fc1_swiglu_fma_kernel(
     E_PAD: tl.constexpr = 1,  # ROUTE: power of two >= E_ROUTE
     HAS_MAP: tl.constexpr = False,  # ROUTE: expert parallelism (expert_map_ptr)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
+    ACT_LDG: tl.constexpr = False,  # activations by plain loads, not pipelined ($VLLM_SM121_MOE_ACT_LDG)
     PF: tl.constexpr = False,  # L2 prefetch of the routed experts' pf / pfs slices (kernels/l2_prefetch.py)
     PF_LATE: tl.constexpr = False,  # ... after this program's own weight stream instead of before it
     PF_LANES: tl.constexpr = 128,
@@ -400,7 +417,7 @@ def _moe_fc1_swiglu_fma_kernel(
         bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
                                   u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
-                                  w_desc=w_desc, row0=row0, TMA=TMA, SCALES_AHEAD=SCALES_AHEAD)
+                                  w_desc=w_desc, row0=row0, TMA=TMA, SCALES_AHEAD=SCALES_AHEAD, ACT_LDG=ACT_LDG)
     if PF and PF_LATE:
         _prefetch_expert(pf_ptr, pf_bytes, pfs_ptr, pfs_bytes, expert, PF_LANES, PF_LINE)
     if SPLIT > 1:
@@ -509,6 +526,7 @@ def _moe_fc2_fma_kernel(
     TMA: tl.constexpr = 0,  # > 0: weight tiles through w_desc in a TMA pipeline of TMA stages (GPU)
     COMBINE: tl.constexpr = False,  # sum the partials into out_ptr here (no combine launch)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
+    ACT_LDG: tl.constexpr = False,  # activations by plain loads, not pipelined ($VLLM_SM121_MOE_ACT_LDG)
     PF: tl.constexpr = False,  # L2 prefetch of pf_ptr's bytes, shared by every program (kernels/l2_prefetch.py)
     PF_LATE: tl.constexpr = False,  # ... after the program's own weight stream instead of first thing
     PF_LANES: tl.constexpr = 128,
@@ -550,7 +568,7 @@ def _moe_fc2_fma_kernel(
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
                                   I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
                                   row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA,
-                                  SCALES_AHEAD=SCALES_AHEAD)
+                                  SCALES_AHEAD=SCALES_AHEAD, ACT_LDG=ACT_LDG)
     if PF and PF_LATE:
         prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
     if NT > 2:
