@@ -496,6 +496,23 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _merge_scale(m, l, sink, AXIS: tl.constexpr, USE_SINKS: tl.constexpr):
+    """The split-KV merge's statistics along AXIS of the splits' running maxima ``m`` (log2 units)
+    and sums ``l``: the common maximum (0 where every split and the sink are empty, so no
+    -inf - -inf) and the softmax denominator with the sink's share (1 where it would be 0: an empty
+    row stays 0). Shared by ``_merge_splits`` (query-tile rows, AXIS 1) and
+    ``_combine_splits_kernel`` (one row, AXIS 0)."""
+    m_max = tl.max(m, axis=AXIS)
+    if USE_SINKS:
+        m_max = tl.maximum(m_max, sink)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.sum(l * tl.exp2(m - tl.expand_dims(m_use, AXIS)), axis=AXIS)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_use)
+    return m_use, tl.where(denom == 0.0, 1.0, denom)
+
+
+@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, row0, q_rows, q_head, row_ok, d_ok,
                   live_splits, stride_o_t, stride_o_h, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, USE_SINKS: tl.constexpr, SCALED: tl.constexpr):
@@ -509,14 +526,10 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, ro
     ml = (row0[:, None] + offs_s[None, :]) * 2
     m = tl.load(part_ml_ptr + ml, mask=live, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(part_ml_ptr + ml + 1, mask=live, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
+    sink = 0.0
     if USE_SINKS:
         sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * RCP_LN2
-        m_max = tl.maximum(m_max, sink)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    denom = tl.sum(l * tl.exp2(m - m_use[:, None]), axis=1)
-    if USE_SINKS:
-        denom += tl.exp2(sink - m_use)
+    m_use, denom = _merge_scale(m, l, sink, 1, USE_SINKS)
     o = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         live_s = row_ok & (s < live_splits)
@@ -524,7 +537,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, ro
         acc_s = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=live_s[:, None],
                         other=0.0, cache_modifier=".cg")
         o += acc_s * tl.exp2(m_s - m_use)[:, None]
-    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    o = o / denom[:, None]
     if SCALED:
         o = o * tl.load(v_scale_ptr)
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
@@ -565,19 +578,13 @@ def _combine_splits_kernel(
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2)
     l = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2 + 1)
     acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    sink = 0.0
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * RCP_LN2
     if KV_FP8:
         v_scale = tl.load(v_scale_ptr)
-    m_max = tl.max(m, axis=0)
-    if USE_SINKS:
-        m_max = tl.maximum(m_max, sink)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_use)
-    denom = tl.sum(l * w, axis=0)
-    if USE_SINKS:
-        denom += tl.exp2(sink - m_use)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    m_use, denom = _merge_scale(m, l, sink, 0, USE_SINKS)
+    o = tl.sum(acc * tl.exp2(m - m_use)[:, None], axis=0) / denom
     if KV_FP8:
         o = o * v_scale
     tl.store(
