@@ -158,7 +158,8 @@ def dense_pdl(t: torch.Tensor) -> dict:
 # takes it for M <= DENSE_MMAV_MAX_M (before the FMA path); $VLLM_SM121_DENSE_MMAV_MAX_M (read at
 # each call, as the FMA limit) overrides it. Off (0): slower than the FMA GEMV at one token on an
 # H100 (ffd86d2, benchmarks/gemv_tiles.py, docs/gemv-tiles-mmav-h100-ffd86d2.json, cold / hot µs):
-# qkv + rotation 10.47 / 8.49 (best of 11 tiles) vs 9.95 / 6.82, o 8.50 / 6.19 vs 7.18 / 4.70,
+# qkv + rotation 10.47 / 8.49 (best of 11 tiles) vs 9.95 / 6.82, o 9.53 / 7.26 (best cold / hot of the
+# other tiles) vs 7.18 / 4.70,
 # lm_head 208.4 vs 207.0; not timed against the "mma" path at M = 5..16.
 DENSE_MMAV_KERNEL_MAX_M = 16
 DENSE_MMAV_MAX_M = 0
@@ -215,7 +216,8 @@ class DenseMmavTiles:
 # (sm_90a SASS: ~1.9 instructions per weight value in the K loop, against ~5.8 for the FMA GEMV's
 # 8,256,8 tile). H100 sweep at one token (ffd86d2, cold µs qkv / o / lm_head): 64,256,0,1,3 11.68 /
 # 10.18 / 218.9; 64,128,0,1,4 10.47 / 9.64 / 227.3; 32,256,0,1,3 10.96 / 9.54 / 209.5; 128,128,0,2,3
-# 31.77 / 8.50 / 225.4 (qkv's rotation tile: 64 rows); 4-warp (wgmma) tiles 12.1-12.4 / 9.6-13.2.
+# 31.77 / 8.50 (suspect: the output was bit-identical to the FMA GEMV's) / 225.4 (qkv's rotation
+# needs 64-row tiles); 4-warp (wgmma) tiles 12.1-12.4 / 9.6-13.2.
 # The first guess stays (no tile beats the FMA GEMV). sm_12x: not measured.
 DENSE_MMAV_TILES: dict[str, DenseMmavTiles] = {
     _platform.SM90: DenseMmavTiles(64, 256, 0, 1, 3),

@@ -474,11 +474,13 @@ def test_dense_fma_pdl_chain_matches(m, monkeypatch):
     cache = torch.cat((ang.cos(), ang.sin()), dim=-1).cuda()
     pos = torch.randint(0, 4096, (m,), generator=g).cuda()
 
-    def chain():
+    def chain():  # three GEMV launches back to back, nothing in between
         h = D.dense_fp8_linear(x, q, s, b, path="fma")  # [m, 2880]
         qkv = D.dense_fp8_linear_rope(h, qq, sq, bq, pos, cache, 72 * 64, 64, path="fma")  # [m, 5120]
-        return D.dense_fp8_linear(qkv[:, :4096].contiguous(), q, s, b, path="fma")
+        return D.dense_fp8_linear(qkv[:, :4096], q, s, b, path="fma")  # (a strided view: read in place)
 
+    monkeypatch.delenv(D.V.PDL_ENV, raising=False)
+    monkeypatch.delenv(D.DENSE_PDL_ENV, raising=False)
     plain = chain()
     monkeypatch.setenv(D.DENSE_PDL_ENV, "1")
     assert D.dense_pdl(x) == dict(PDL=True, launch_pdl=True)

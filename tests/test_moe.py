@@ -889,20 +889,28 @@ def test_scales_ahead_changes_no_output_on_gpu(m, monkeypatch):
     assert torch.equal(out, ref)
 
 
-def test_act_ldg_switch(monkeypatch):
-    """$VLLM_SM121_MOE_ACT_LDG: off by default and always on the CPU (inline PTX); a bad value is
-    an error naming the variable."""
+def test_act_ldg_switch_is_off_on_the_cpu(monkeypatch):
+    """$VLLM_SM121_MOE_ACT_LDG: never on the CPU (inline PTX the interpreter cannot run)."""
     from vllm_sm121.kernels import moe as K
 
     monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
     assert K.act_ldg(torch.zeros(1)) is False
     monkeypatch.setenv(K.ACT_LDG_ENV, "1")
     assert K.act_ldg(torch.zeros(1)) is False
-    if torch.cuda.is_available():
-        assert K.act_ldg(torch.zeros(1, device="cuda")) is True
-        monkeypatch.setenv(K.ACT_LDG_ENV, "on")
-        with pytest.raises(ValueError, match=K.ACT_LDG_ENV):
-            K.act_ldg(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_act_ldg_switch_on_a_gpu(monkeypatch):
+    """On a GPU: off by default, on with 1, a bad value an error naming the variable."""
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
+    assert K.act_ldg(torch.zeros(1, device="cuda")) is False
+    monkeypatch.setenv(K.ACT_LDG_ENV, "1")
+    assert K.act_ldg(torch.zeros(1, device="cuda")) is True
+    monkeypatch.setenv(K.ACT_LDG_ENV, "on")
+    with pytest.raises(ValueError, match=K.ACT_LDG_ENV):
+        K.act_ldg(torch.zeros(1, device="cuda"))
 
 
 @pytest.mark.gpu

@@ -13,13 +13,20 @@ from helpers import graph_replayed, make_paged_batch
 from vllm_sm121.kernels import _validate as V
 
 
-def test_switch_is_off_on_the_cpu_and_checked(monkeypatch):
+def test_switch_is_off_on_the_cpu(monkeypatch):
     monkeypatch.setenv(V.PDL_ENV, "1")
     assert V.pdl_launch(torch.zeros(1)) == {}
+
+
+@pytest.mark.gpu
+def test_switch_on_a_gpu_and_checked(monkeypatch):
+    monkeypatch.delenv(V.PDL_ENV, raising=False)
+    assert V.pdl_launch(torch.zeros(1, device="cuda")) == {}
+    monkeypatch.setenv(V.PDL_ENV, "1")
+    assert V.pdl_launch(torch.zeros(1, device="cuda")) == dict(PDL=True, launch_pdl=True)
     monkeypatch.setenv(V.PDL_ENV, "yes")
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"\$VLLM_SM121_PDL='yes': expected an integer"):
-            V.pdl_launch(torch.zeros(1, device="cuda"))
+    with pytest.raises(ValueError, match=r"\$VLLM_SM121_PDL='yes': expected an integer"):
+        V.pdl_launch(torch.zeros(1, device="cuda"))
 
 
 def _layer_chain():

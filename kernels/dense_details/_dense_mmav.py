@@ -106,7 +106,8 @@ def _dense_fp8_mmav_kernel(
     toks = tl.arange(0, BLOCK_T)
     tok_ok = toks < M
     x_base = x_ptr + toks.to(tl.int64)[None, :] * stride_xm
-    # this split's K range: whole BLOCK_K steps, the last split takes the rest
+    # this split's K range: PER whole BLOCK_K steps (the last non-empty split ends at K; with more splits
+    # than ceil(STEPS / PER), the trailing ones are empty: they store zero partials and count in)
     STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     PER: tl.constexpr = (STEPS + SPLIT - 1) // SPLIT
     k_lo = split * (PER * BLOCK_K)

@@ -145,11 +145,12 @@ def _user(uses, slot, offs_t, U: tl.constexpr):
 def _ldg_nc_pair(ptr, ok):
     """Two consecutive int32 words at each 8-byte aligned ``ptr`` (zeros where not ``ok``) by one
     ``ld.global.nc.v2``: a load Triton's pipeliner does not turn into a cp.async + shared-memory
-    round trip (and its CTA barrier) per K step. Inline PTX (sm_90 and sm_12x; not the interpreter)."""
+    round trip (and its CTA barrier) per K step. Not marked pure: it reads what the previous kernel
+    wrote, so it must stay after a PDL wait. Inline PTX (sm_90 and sm_12x; not the interpreter)."""
     return tl.inline_asm_elementwise(
         asm="{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;"
             " @p ld.global.nc.v2.b32 {$0, $1}, [$2]; }",
-        constraints="=r,=r,l,r", args=[ptr, ok.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        constraints="=r,=r,l,r", args=[ptr, ok.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
 
 
 @triton.jit
