@@ -249,10 +249,6 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-mmav", _all_on(),
            "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at few tokens", **OFF,
            env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")))),
-    # The FMA dense GEMVs launched as programmatic dependents (weights before griddepcontrol.wait)
-    Config("sm121-all-moe-dpdl", _all_on(),
-           "sm121-all-moe + the dense GEMVs launched with PDL (first weights before the wait)", **OFF,
-           env=(MOE_ON, ("VLLM_SM121_DENSE_PDL", "1"))),
     # Every plugin kernel of the decode step launched as a programmatic dependent ($VLLM_SM121_PDL)
     Config("sm121-all-moe-steppdl", _all_on(),
            "sm121-all-moe + the decode step's plugin kernels launched with PDL (weights before the wait)", **OFF,

@@ -40,7 +40,7 @@ def parse_args(argv=None):
                    "'default' = the shipped tiles")
     p.add_argument("--mmav-tiles", default="", help="';'-separated $VLLM_SM121_DENSE_MMAV_TILES values "
                    "(rows,kb,split,warps,stages; split 0 = auto); 'default' = the shipped tiles")
-    p.add_argument("--pdl", action="store_true", help="also time each FMA tile launched with PDL ($VLLM_SM121_DENSE_PDL=1): "
+    p.add_argument("--pdl", action="store_true", help="also time each FMA tile launched with PDL ($VLLM_SM121_PDL=1): "
                    "every GEMV of the chain a programmatic dependent of the one before")
     p.add_argument("--no-cublas", action="store_true")
     p.add_argument("--reps", type=int, default=20)
@@ -63,7 +63,7 @@ def candidates(args) -> list[tuple[str, dict, str]]:
             tile = {} if t == "default" else {env: t}
             out.append((path, tile, t))
             if path == "fma" and args.pdl:
-                out.append((path, {**tile, D.DENSE_PDL_ENV: "1"}, t + "+pdl"))
+                out.append((path, {**tile, D.V.PDL_ENV: "1"}, t + "+pdl"))
     return out
 
 

@@ -23,6 +23,19 @@ MAX_BLOCK_SIZE = 1024
 PDL_ENV = "VLLM_SM121_PDL"
 
 
+def parse_ints(env: str, text: str, lengths: tuple[int, ...], expected: str) -> list[int]:
+    """A comma-separated integer list from ``$env`` (a tile format): its values, or an error naming
+    the variable and the ``expected`` format when a value is not an integer or the count is not one
+    of ``lengths``."""
+    try:
+        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        vals = []
+    if len(vals) not in lengths:
+        raise ValueError(f"{env}={text!r}: expected {expected}")
+    return vals
+
+
 def pdl_launch(t: torch.Tensor) -> dict:
     """The kernels' ``PDL`` flag and Triton's ``launch_pdl`` for a launch on ``t``'s device: {} when
     $VLLM_SM121_PDL is unset / 0 or on the CPU (the interpreter)."""

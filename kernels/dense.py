@@ -138,21 +138,6 @@ DENSE_W8A8_MIN_M = 0
 DENSE_W8A8_MIN_M_ENV = "VLLM_SM121_DENSE_W8A8_MIN_M"
 PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
 
-# Programmatic dependent launch of the FMA GEMV (opt-in, $VLLM_SM121_DENSE_PDL=1, read at each call;
-# GPU only): the GEMV is launched as a programmatic dependent of the kernel before it, loads its first
-# K step's weights, then waits for that kernel (``griddepcontrol.wait``) and lets the next one launch.
-DENSE_PDL_ENV = "VLLM_SM121_DENSE_PDL"
-
-
-def dense_pdl(t: torch.Tensor) -> dict:
-    """The FMA GEMV's PDL launch options on ``t``'s device: {} when off (or on the interpreter)."""
-    if _platform.family_of(t) == _platform.INTERPRETER:
-        return {}
-    if V.env_int(DENSE_PDL_ENV, 0) == 0:
-        return V.pdl_launch(t)  # the decode step's switch ($VLLM_SM121_PDL) includes the GEMVs
-    return dict(PDL=True, launch_pdl=True)
-
-
 # Decode for up to DENSE_MMAV_KERNEL_MAX_M tokens on the tensor cores (``dense_details/_dense_mmav.py``:
 # cp.async-pipelined e4m3 weights, fp16 MMAs, split-K with an in-kernel ordered sum). path="auto"
 # takes it for M <= DENSE_MMAV_MAX_M (before the FMA path); $VLLM_SM121_DENSE_MMAV_MAX_M (read at
@@ -192,13 +177,7 @@ class DenseMmavTiles:
     @classmethod
     def parse(cls, text: str) -> DenseMmavTiles:
         """"rows,kb,split,warps,stages" (the $VLLM_SM121_DENSE_MMAV_TILES format; split 0 = auto)."""
-        try:
-            vals = [int(v) for v in text.replace(" ", "").split(",") if v]
-        except ValueError:
-            vals = []
-        if len(vals) != 5:
-            raise ValueError(f"{DENSE_MMAV_TILES_ENV}={text!r}: expected rows,kb,split,warps,stages (integers)")
-        return cls(*vals)
+        return cls(*V.parse_ints(DENSE_MMAV_TILES_ENV, text, (5,), "rows,kb,split,warps,stages (integers)"))
 
     def spec(self) -> str:
         return f"{self.rows},{self.kb},{self.split},{self.num_warps},{self.num_stages}"
@@ -234,17 +213,6 @@ def dense_mmav_tiles(t: torch.Tensor) -> DenseMmavTiles:
     return DENSE_MMAV_TILES[_platform.family_of(t)]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(t: torch.Tensor) -> int:
-    if t.device.type != "cuda":
-        return 4  # the interpreter: a few splits exercise the split-K sum
-    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
 @dataclasses.dataclass(frozen=True)
 class DenseFmaTiles:
     """Tiles of the FMA decode kernel (performance hyper-parameters)."""
@@ -265,13 +233,7 @@ class DenseFmaTiles:
     @classmethod
     def parse(cls, text: str) -> DenseFmaTiles:
         """"rows,kw,warps" (the $VLLM_SM121_DENSE_FMA_TILES format)."""
-        try:
-            vals = [int(v) for v in text.replace(" ", "").split(",") if v]
-        except ValueError:
-            vals = []
-        if len(vals) != 3:
-            raise ValueError(f"{DENSE_FMA_TILES_ENV}={text!r}: expected rows,kw,warps (integers)")
-        return cls(*vals)
+        return cls(*V.parse_ints(DENSE_FMA_TILES_ENV, text, (3,), "rows,kw,warps (integers)"))
 
     def spec(self) -> str:
         return f"{self.rows},{self.kw},{self.num_warps}"
@@ -560,7 +522,7 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
     _dense_fp8_fma_kernel[(-(-n // tiles.rows),)](
         xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
-        num_warps=tiles.num_warps, **extra, **dense_pdl(x))
+        num_warps=tiles.num_warps, **extra, **V.pdl_launch(x))  # $VLLM_SM121_PDL: a programmatic dependent
     return out
 
 
@@ -569,7 +531,7 @@ def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
     n = w.shape[0]
     tiles = dense_mmav_tiles(x)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
-    split = tiles.splits(n, k, _device_sms(x))
+    split = tiles.splits(n, k, _platform.sm_count(x))
     n_tiles = -(-n // tiles.rows)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)

@@ -209,10 +209,8 @@ class FmaTiles:
     def parse(cls, text: str) -> FmaTiles:
         """"fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]]"
         (the env format; fc2_warps / fc2_stages 0: as warps / stages)."""
-        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
-        if len(vals) not in (6, 8, 9, 10):
-            raise ValueError(f"{FMA_TILES_ENV}={text!r}: expected fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
-                             "[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]]")
+        vals = V.parse_ints(FMA_TILES_ENV, text, (6, 8, 9, 10), "fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
+                            "[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]]")
         if len(vals) > 6:
             vals[6] = vals[6] or None
             vals[7] = vals[7] or None
@@ -806,12 +804,7 @@ class GroupedTiles:
     @classmethod
     def parse(cls, text: str) -> GroupedTiles:
         """"bm,bn,bk,warps,stages" (the $VLLM_SM121_MOE_GROUPED_TILE format)."""
-        try:
-            vals = [int(v) for v in text.replace(" ", "").split(",") if v]
-        except ValueError:
-            vals = []
-        if len(vals) != 5:
-            raise ValueError(f"{GROUPED_TILE_ENV}={text!r}: expected bm,bn,bk,warps,stages (5 integers)")
+        vals = V.parse_ints(GROUPED_TILE_ENV, text, (5,), "bm,bn,bk,warps,stages (5 integers)")
         try:
             return cls(*vals)
         except ValueError as e:

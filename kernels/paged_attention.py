@@ -156,12 +156,6 @@ class SplitWorkspace:
                    cnt=cnt_flat[:need] if cnt_flat is not None and cnt_flat.numel() >= need else None)
 
 
-def _sm_count(q: torch.Tensor, family: str) -> int:
-    if q.device.type == "cuda":
-        return torch.cuda.get_device_properties(q.device).multi_processor_count
-    return _platform.DEFAULT_SM_COUNT[family]
-
-
 def choose_num_splits(
     *,
     num_seqs: int,
@@ -359,7 +353,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, num_q_per_kv=num_q_per_kv, sm_count=_sm_count(q, family),
+            max_seq_len=max_seq_len, num_q_per_kv=num_q_per_kv, sm_count=_platform.sm_count(q),
             sliding_window=sliding_window,
         )
     if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):

@@ -106,6 +106,18 @@ def make_paged_batch(
     )
 
 
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def graph_replayed(fn, times: int = 3):
     """``fn()``'s outputs as captured in a CUDA graph, after ``times`` replays (synchronized)."""
     graph = torch.cuda.CUDAGraph()

@@ -464,7 +464,7 @@ def test_qkv_gemv_kv_write_gpt_oss_120b_graph_replay_on_gpu(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
 def test_dense_fma_pdl_chain_matches(m, monkeypatch):
-    """$VLLM_SM121_DENSE_PDL=1: a graph of dependent GEMVs (each one's output the next one's input,
+    """$VLLM_SM121_PDL=1: a graph of dependent GEMVs (each one's output the next one's input,
     every launch a programmatic dependent of the one before, the rotation on qkv) gives the same bits
     as the plain launches."""
     x, q, s, b = _gpt_oss_case("o", m)
@@ -480,9 +480,8 @@ def test_dense_fma_pdl_chain_matches(m, monkeypatch):
         return D.dense_fp8_linear(qkv[:, :4096], q, s, b, path="fma")  # (a strided view: read in place)
 
     monkeypatch.delenv(D.V.PDL_ENV, raising=False)
-    monkeypatch.delenv(D.DENSE_PDL_ENV, raising=False)
     plain = chain()
-    monkeypatch.setenv(D.DENSE_PDL_ENV, "1")
-    assert D.dense_pdl(x) == dict(PDL=True, launch_pdl=True)
+    monkeypatch.setenv(D.V.PDL_ENV, "1")
+    assert D.V.pdl_launch(x) == dict(PDL=True, launch_pdl=True)
     assert torch.equal(chain(), plain)
     assert torch.equal(graph_replayed(chain), plain)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import graph_replayed
+from helpers import graph_replayed, load_benchmark
 from vllm_sm121.kernels import dense as D
 
 
@@ -149,18 +149,12 @@ def test_rope_in_the_mmav_epilogue_gpt_oss_120b_qkv(m, monkeypatch):
 def test_gemv_tiles_benchmark_candidates_and_no_gpu_exit(capsys):
     """``benchmarks/gemv_tiles.py``: the candidates it times (env per path, ``+pdl`` copies of the FMA
     tiles) and, without a GPU, exit 2 with the reason."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gemv_tiles.py"
-    spec = importlib.util.spec_from_file_location("_gemv_tiles", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("gemv_tiles")
     args = bench.parse_args(["--fma-tiles", "default;8,256,8", "--mmav-tiles", "64,256,0,1,3", "--pdl"])
     assert bench.candidates(args) == [
-        ("fma", {}, "default"), ("fma", {D.DENSE_PDL_ENV: "1"}, "default+pdl"),
+        ("fma", {}, "default"), ("fma", {D.V.PDL_ENV: "1"}, "default+pdl"),
         ("fma", {D.DENSE_FMA_TILES_ENV: "8,256,8"}, "8,256,8"),
-        ("fma", {D.DENSE_FMA_TILES_ENV: "8,256,8", D.DENSE_PDL_ENV: "1"}, "8,256,8+pdl"),
+        ("fma", {D.DENSE_FMA_TILES_ENV: "8,256,8", D.V.PDL_ENV: "1"}, "8,256,8+pdl"),
         ("mmav", {D.DENSE_MMAV_TILES_ENV: "64,256,0,1,3"}, "64,256,0,1,3")]
     assert bench.SHAPES["qkv"] == (5120, 2880) and bench.ROPE_ROWS == 72 * 64
     if not torch.cuda.is_available():

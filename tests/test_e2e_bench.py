@@ -245,10 +245,10 @@ def test_configs_table():
     dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample", "sm121-all-moe-pdl", "sm121-all-moe-tma",
                  "sm121-all-moe-fused", "sm121-all-moe-f16x2", "sm121-all-moe-exact", "sm121-all-moe-rope",
                  "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit", "sm121-all-moe-l2o",
-                 "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-dpdl", "sm121-all-moe-steppdl")
-    for name, var in (("sm121-all-moe-dpdl", "VLLM_SM121_DENSE_PDL"), ("sm121-all-moe-steppdl", "VLLM_SM121_PDL")):
-        assert dict(by[name].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", var: "1"}
-        assert by[name].llm_kwargs == by["sm121-all-moe"].llm_kwargs and name not in e2e.DEFAULT_CONFIGS
+                 "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl")
+    assert dict(by["sm121-all-moe-steppdl"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_PDL": "1"}
+    assert by["sm121-all-moe-steppdl"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
+    assert "sm121-all-moe-steppdl" not in e2e.DEFAULT_CONFIGS
     if "E2E_MMAV_MAX_M" not in os.environ:
         assert dict(by["sm121-all-moe-mmav"].env)["VLLM_SM121_DENSE_MMAV_MAX_M"] == "16"
     assert dict(by["sm121-graph-a"].env) == {"VLLM_SM121_GRAPH_FAST_PATH": "0"}

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import make_paged_batch
+from helpers import load_benchmark, make_paged_batch
 
 from vllm_sm121 import l2_plan
 from vllm_sm121.kernels import l2_prefetch
@@ -229,13 +229,7 @@ def test_attention_prefetch_keeps_the_output_bit_identical(kv_dtype):
 def test_l2_probe_benchmark_arguments_and_no_gpu_exit(capsys):
     """``benchmarks/l2_probe.py``: its defaults (gpt-oss-120b's qkv and o, hints every 32 and 128
     bytes) and, without a GPU, exit 2 with the reason."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "l2_probe.py"
-    spec = importlib.util.spec_from_file_location("_l2_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_benchmark("l2_probe")
     args = probe.parse_args([])
     assert args.shapes.split(",") == list(probe.SHAPES) and [int(v) for v in args.lines.split(",")] == [32, 128]
     assert probe.SHAPES == {"qkv": (5120, 2880), "o": (2880, 4096)}

@@ -138,6 +138,15 @@ NVFP4_HW_E2M1: dict[str, bool] = {SM12X: False}
 DEFAULT_SM_COUNT = {SM90: 132, SM12X: 48, INTERPRETER: 4}
 
 
+def sm_count(tensor) -> int:
+    """SMs of the GPU ``tensor`` lives on; the family's default on the CPU (the interpreter)."""
+    if tensor.device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(tensor.device).multi_processor_count
+    return DEFAULT_SM_COUNT[family_of(tensor)]
+
+
 ATTN_TILE_ENV = "VLLM_SM121_ATTN_TILE"
 ATTN_TILE_KINDS = ("decode", "decode_nvfp4", "prefill", "prefill_sw", "prefill_nvfp4", "prefill_sw_nvfp4")
 
