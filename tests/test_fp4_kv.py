@@ -56,6 +56,7 @@ def test_page_view_rejects_wrong_size():
     ("prefill", [24, 9], [60, 9], None, None),
     ("mixed", [1, 6, 20], [50, 30, 20], 16, None),
     ("decode-split", [1], [70], None, 2),
+    ("decode-split-short", [1, 1], [20, 70], None, 4),  # one live split finishing its rows, and a merge
 ])
 @pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q", "words", "words-fp16-q", "words-triton"])
 def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, variant, monkeypatch):

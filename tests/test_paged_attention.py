@@ -17,6 +17,7 @@ import torch
 
 from helpers import FP8, assert_close, make_paged_batch
 from vllm_sm121.kernels import SplitWorkspace, paged_attention, paged_attention_torch
+from vllm_sm121.platform import AttnTile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +195,55 @@ def test_fused_split_merge_equals_the_merge_launch(device, q_lens, seq_lens, spl
         paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
                         max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, num_splits=splits,
                         workspace=bad, **kw)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seq_lens,window,kv_dtype,sinks", [
+    ((1, 20, 32, 33), None, torch.bfloat16, True),  # one KV tile (the interpreter's 32 tokens) or two
+    ((310, 45), 16, FP8, True),  # a sliding window inside one tile, and one across two
+    ((32, 64), None, torch.bfloat16, False),
+])
+def test_single_live_split_finishes_its_rows(device, seq_lens, window, kv_dtype, sinks, monkeypatch):
+    """Under the fused merge, a query tile whose KV fits one split (a short context under a graph
+    captured with many splits) is finished by that split: no partials are stored for it (its
+    workspace rows keep the NaN put there), and its output has exactly the bits the merge launch
+    gives, as the tiles that still merge several splits do to rounding."""
+    PA = importlib.import_module("vllm_sm121.kernels.paged_attention")
+
+    n = len(seq_lens)
+    b = make_paged_batch([1] * n, list(seq_lens), num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                         kv_dtype=kv_dtype, sliding_window=window, device=device, seed=9)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(10)).to(device) if sinks else None
+    kw = dict(scale=0.125, sliding_window=window, sinks=sink, k_scale=b.k_scale, v_scale=b.v_scale)
+    splits, tile_n = 8, 32
+    ws = SplitWorkspace.allocate(n, 8, splits, 64, device)
+
+    def run():
+        return paged_attention(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                               max_query_len=1, max_seq_len=b.max_seq_len, num_splits=splits, workspace=ws,
+                               tile=AttnTile(16, tile_n, 4, 1), **kw)
+
+    visible = [min(s, window) if window else s for s in seq_lens]
+    first = [max(s - window, 0) if window else 0 for s in seq_lens]
+    tiles = [-(-(f + v) // tile_n) - f // tile_n for f, v in zip(first, visible)]
+    single = [t == 1 for t in tiles]
+    assert any(single) and not all(single)
+    monkeypatch.setenv(PA.ATTN_FUSED_COMBINE_ENV, "0")
+    launched = run()
+    monkeypatch.delenv(PA.ATTN_FUSED_COMBINE_ENV)
+    ws.acc.fill_(float("nan"))
+    ws.ml.fill_(float("nan"))
+    fused = run()
+    assert int(ws.cnt.abs().sum()) == 0
+    for t, one in enumerate(single):
+        if one:
+            assert torch.isnan(ws.acc[t]).all() and torch.isnan(ws.ml[t]).all(), f"token {t}: partials stored"
+            assert torch.equal(fused[t], launched[t]), f"token {t}: not the merge's bits"
+        else:
+            assert not torch.isnan(ws.ml[t]).all(), f"token {t}: {tiles[t]} tiles but no partials"
+            torch.testing.assert_close(fused[t].float(), launched[t].float(), rtol=1e-2, atol=2e-3)
+    ref = paged_attention_torch(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens, **kw)
+    assert_close(fused, ref, what="single live split")
 
 
 @pytest.mark.interpreter

@@ -478,6 +478,13 @@ def _paged_attention_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+    elif FUSED_COMBINE and live_splits == 1:
+        # The only split that sees KV (a short context under a graph captured with many splits):
+        # it finishes the rows itself, with _merge_splits' arithmetic on its own statistics (the
+        # same fp32 operations, so the same bits), and skips the partials' round trip through
+        # memory, the arrival counter (which stays 0) and the merge.
+        _finish_rows(out_ptr, acc, m_i, l_i, sinks_ptr, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t,
+                     stride_o_h, HEAD_PAD, USE_SINKS, KV_FP8 or KV_NVFP4)
     else:
         # part_* are contiguous: [T, Hq, NUM_SPLITS, HEAD_PAD] and [T, Hq, NUM_SPLITS, 2]
         row_split = (q_rows * tl.num_programs(1) * NUM_Q_PER_KV + q_head) * NUM_SPLITS + split
@@ -510,6 +517,26 @@ def _merge_scale(m, l, sink, AXIS: tl.constexpr, USE_SINKS: tl.constexpr):
     if USE_SINKS:
         denom += tl.exp2(sink - m_use)
     return m_use, tl.where(denom == 0.0, 1.0, denom)
+
+
+@triton.jit
+def _finish_rows(out_ptr, acc, m, l, sinks_ptr, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t, stride_o_h,
+                 HEAD_PAD: tl.constexpr, USE_SINKS: tl.constexpr, SCALED: tl.constexpr):
+    """``_merge_splits`` for a tile whose only live split is this program: its accumulator ``acc``
+    [BLOCK_M, HEAD_PAD] and statistics ``m`` / ``l`` [BLOCK_M] (log2 units, no sink yet) straight
+    from registers, merged with the sink and stored exactly as the merge would store them."""
+    sink = 0.0
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * RCP_LN2
+    m_use, denom = _merge_scale(m[:, None], l[:, None], sink, 1, USE_SINKS)
+    o = tl.zeros_like(acc)  # (as the merge: from +0, so a -0 product sums to the merge's +0)
+    o += acc * tl.exp2(m - m_use)[:, None]
+    o = o / denom[:, None]
+    if SCALED:
+        o = o * tl.load(v_scale_ptr)
+    offs_d = tl.arange(0, HEAD_PAD)
+    tl.store(out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
