@@ -253,6 +253,16 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-steppdl", _all_on(),
            "sm121-all-moe + the decode step's plugin kernels launched with PDL (weights before the wait)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_PDL", "1"))),
+    # A/B of stop 31's attention change: a query tile with one live split finishes its rows itself
+    # (default); "-merge1": through the in-kernel merge as before
+    Config("sm121-all-moe-merge1", _all_on(),
+           "sm121-all-moe with the attention's single live split merged as before stop 31", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_ATTN_ONE_SPLIT_FINISH", "0"))),
+    # The opt-ins that each measured within the noise, together: PDL through the step and the KV
+    # write inside the qkv GEMV
+    Config("sm121-all-moe-pdlkv", _all_on(),
+           "sm121-all-moe + VLLM_SM121_PDL=1 + VLLM_SM121_KV_IN_QKV=1", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_PDL", "1"), ("VLLM_SM121_KV_IN_QKV", "1"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

@@ -100,6 +100,18 @@ def attn_fused_combine() -> bool:
     return V.env_int(ATTN_FUSED_COMBINE_ENV, 1) != 0
 
 
+# Under the fused merge, a query tile whose KV one split covers (a short context under a graph
+# captured with many splits: gpt-oss-120b's full layers run 64 splits, its tg128 contexts fit one
+# 128-token tile) is finished by that split: no partials, no arrival counter, no merge round trip;
+# the same bits as the merge (``_finish_rows``). $VLLM_SM121_ATTN_ONE_SPLIT_FINISH=0 (read at call
+# time) keeps the merge for A/B runs.
+ATTN_ONE_SPLIT_FINISH_ENV = "VLLM_SM121_ATTN_ONE_SPLIT_FINISH"
+
+
+def attn_one_split_finish() -> bool:
+    return V.env_int(ATTN_ONE_SPLIT_FINISH_ENV, 1) != 0
+
+
 # The fewest KV tokens a live split covers ($VLLM_SM121_ATTN_MIN_SPLIT_TOKENS, read at call time;
 # rounded up to whole KV tiles): the kernel cuts the KV a query tile sees into NUM_SPLITS parts of
 # max(ceil(tiles / NUM_SPLITS), this) tiles, so a graph captured with 64 splits (long contexts) runs
@@ -411,6 +423,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
         and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
+        ONE_SPLIT_FINISH=fused and attn_one_split_finish(),
         MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw, **pdl_launch(q),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

@@ -245,7 +245,13 @@ def test_configs_table():
     dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample", "sm121-all-moe-pdl", "sm121-all-moe-tma",
                  "sm121-all-moe-fused", "sm121-all-moe-f16x2", "sm121-all-moe-exact", "sm121-all-moe-rope",
                  "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit", "sm121-all-moe-l2o",
-                 "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl")
+                 "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl", "sm121-all-moe-merge1",
+                 "sm121-all-moe-pdlkv")
+    assert dict(by["sm121-all-moe-merge1"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
+                                                    "VLLM_SM121_ATTN_ONE_SPLIT_FINISH": "0"}
+    assert dict(by["sm121-all-moe-pdlkv"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_PDL": "1",
+                                                   "VLLM_SM121_KV_IN_QKV": "1"}
+    assert by["sm121-all-moe-merge1"].llm_kwargs == by["sm121-all-moe-pdlkv"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     assert dict(by["sm121-all-moe-steppdl"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_PDL": "1"}
     assert by["sm121-all-moe-steppdl"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     assert "sm121-all-moe-steppdl" not in e2e.DEFAULT_CONFIGS

@@ -244,6 +244,12 @@ def test_single_live_split_finishes_its_rows(device, seq_lens, window, kv_dtype,
             torch.testing.assert_close(fused[t].float(), launched[t].float(), rtol=1e-2, atol=2e-3)
     ref = paged_attention_torch(b.q, b.key_cache, b.value_cache, b.block_table, b.query_start_loc, b.seq_lens, **kw)
     assert_close(fused, ref, what="single live split")
+    # $VLLM_SM121_ATTN_ONE_SPLIT_FINISH=0 (A/B runs): every tile merges again, to the same bits.
+    monkeypatch.setenv(PA.ATTN_ONE_SPLIT_FINISH_ENV, "0")
+    ws.ml.fill_(float("nan"))
+    merged = run()
+    assert not torch.isnan(ws.ml[single.index(True)]).all(), "the switch did not bring the merge back"
+    assert torch.equal(merged, fused) and int(ws.cnt.abs().sum()) == 0
 
 
 @pytest.mark.interpreter

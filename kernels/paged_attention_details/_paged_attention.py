@@ -257,6 +257,7 @@ def _paged_attention_kernel(
     SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
     FUSED_COMBINE: tl.constexpr = False,  # NUM_SPLITS > 1: the tile's last split merges (no combine launch)
     MIN_SPLIT_TILES: tl.constexpr = 1,  # NUM_SPLITS > 1: the fewest KV tiles a live split covers
+    ONE_SPLIT_FINISH: tl.constexpr = True,  # FUSED_COMBINE: a tile's only live split finishes its rows
     PF: tl.constexpr = False,  # FUSED_COMBINE: L2 prefetch of pf_ptr's bytes by the splits that see no KV
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
@@ -478,7 +479,7 @@ def _paged_attention_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
-    elif FUSED_COMBINE and live_splits == 1:
+    elif FUSED_COMBINE and ONE_SPLIT_FINISH and live_splits == 1:
         # The only split that sees KV (a short context under a graph captured with many splits):
         # it finishes the rows itself, with _merge_splits' arithmetic on its own statistics (the
         # same fp32 operations, so the same bits), and skips the partials' round trip through
