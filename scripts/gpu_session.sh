@@ -124,6 +124,11 @@ for step in "$@"; do
     densekernels) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_mmav.py ${DENSE_K:+-k "$DENSE_K"} -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/densekernels.log" ;;
     pdltests) python3 -m pytest -q -m "gpu or interpreter" tests/test_pdl.py tests/test_dense.py -k "pdl" -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/pdltests.log" ;;
     actldg) for v in 0 1; do VLLM_SM121_MOE_ACT_LDG=$v python3 benchmarks/moe_probe.py --rotate --no-stream --m "${NCU_M:-1,2,4}" --out "$OUT/moe_probe_actldg$v.json" 2>&1 | tee "$OUT/moeprobe_actldg$v.log" | grep -E "fma|device" ; done ;;  # the MoE FMA GEMVs cold / hot with the activation words by ld.global.nc off / on
+    moesass) ncu --clock-control none -k "regex:${NCU_KERNEL:-_moe_fc1_swiglu_fma}" --launch-skip 2 --launch-count 1 --section SourceCounters \
+               --section WarpStateStats --section InstructionStats -f -o /tmp/moesass python3 benchmarks/moe_probe.py --ncu --no-stream --m 1 > "$OUT/moesass_run.log" 2>&1
+             ncu -i /tmp/moesass.ncu-rep --page source --csv --print-source sass > "$OUT/moesass${NCU_TAG:-}.csv" 2>&1
+             ncu -i /tmp/moesass.ncu-rep --page details --print-details all > "$OUT/moesass_details${NCU_TAG:-}.txt" 2>&1
+             wc -l "$OUT/moesass${NCU_TAG:-}.csv"; head -c 400 "$OUT/moesass${NCU_TAG:-}.csv"; echo ;;  # per-SASS-instruction stall samples of one FMA MoE GEMV launch (CSV)
     mmavtests) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense_mmav.py ${MMAV_K:+-k "$MMAV_K"} -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/mmavtests.log" ;;
     l2tests) python3 -m pytest -q -m "gpu or interpreter" tests/test_l2_prefetch.py ${L2_K:+-k "$L2_K"} -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/l2tests.log" ;;  # prefetch placements: bit-identical outputs
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?
