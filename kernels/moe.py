@@ -391,6 +391,19 @@ def act_ldg(t: torch.Tensor) -> bool:
     return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(ACT_LDG_ENV, 0) != 0
 
 
+# The FMA GEMVs' scale bytes one K step ahead as int32 registers (opt-in, $VLLM_SM121_MOE_SCALE_LDG=1,
+# read at call time; GPU only; ``_moe_fma._ldg_u8``): the weight scales (already one step ahead,
+# but Triton's packed uint8 registers made ptxas unpack them in the loading step) and token 0's
+# activation scales (loaded inside the step before). Per-instruction ncu of FC1 (H100, ef6fdb1,
+# docs/logs/moesass-h100-ef6fdb1.csv): 14% of the stall samples on those two unpacks, 19% on the
+# TMA stage wait. Same bits as without.
+SCALE_LDG_ENV = "VLLM_SM121_MOE_SCALE_LDG"
+
+
+def scale_ldg(t: torch.Tensor) -> bool:
+    return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(SCALE_LDG_ENV, 0) != 0
+
+
 # Programmatic dependent launch of the FMA path's FC1 -> FC2 -> combine (opt-in,
 # VLLM_SM121_MOE_PDL=1, read at call time; GPU only): each launch may start while the previous one
 # drains; FC2 reads its routing and issues its first weight loads before waiting for FC1's output
@@ -478,7 +491,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
             LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
-            SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(a), **route_kw, **pf_kw,
+            SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(a), SCALE_LDG=scale_ldg(a), **route_kw, **pf_kw,
             num_warps=tiles.num_warps, num_stages=1, **(moe_pdl(a) or V.pdl_launch(a)), **fma_maxnreg(a))
     return out.view(torch.float8_e4m3fn), out_scale
 
@@ -576,7 +589,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             E=e, H=hidden,
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
             BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
-            SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(h),
+            SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(h), SCALE_LDG=scale_ldg(h),
             COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **pdl_top, **fma_maxnreg(h), **pf_kw)
     if m and not combine:
         block = min(1024, triton.next_power_of_2(hidden))

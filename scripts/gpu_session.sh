@@ -129,6 +129,7 @@ for step in "$@"; do
              ncu -i /tmp/moesass.ncu-rep --page source --csv --print-source sass > "$OUT/moesass${NCU_TAG:-}.csv" 2>&1
              ncu -i /tmp/moesass.ncu-rep --page details --print-details all > "$OUT/moesass_details${NCU_TAG:-}.txt" 2>&1
              wc -l "$OUT/moesass${NCU_TAG:-}.csv"; head -c 400 "$OUT/moesass${NCU_TAG:-}.csv"; echo ;;  # per-SASS-instruction stall samples of one FMA MoE GEMV launch (CSV)
+    scaleldg) for v in 0 1; do VLLM_SM121_MOE_SCALE_LDG=$v python3 benchmarks/moe_probe.py --rotate --no-stream --m "${NCU_M:-1,2,4}" --reps "${PROBE_REPS:-30}" --out "$OUT/moe_probe_scaleldg$v.json" 2>&1 | tee "$OUT/moeprobe_scaleldg$v.log" | grep -E "fma|device" ; done ;;  # the MoE FMA GEMVs cold / hot with the scale bytes as int32 loads off / on
     mmavtests) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense_mmav.py ${MMAV_K:+-k "$MMAV_K"} -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/mmavtests.log" ;;
     l2tests) python3 -m pytest -q -m "gpu or interpreter" tests/test_l2_prefetch.py ${L2_K:+-k "$L2_K"} -p no:cacheprovider 2>&1 | tail -n 6 | tee "$OUT/l2tests.log" ;;  # prefetch placements: bit-identical outputs
     kvqkv) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_method.py tests/test_moe_hook.py -k "kv_write or writes_the_nvfp4 or qkv_op or kv_in_qkv" -p no:cacheprovider > "$OUT/kvqkv.log" 2>&1; r=$?

@@ -889,45 +889,58 @@ def test_scales_ahead_changes_no_output_on_gpu(m, monkeypatch):
     assert torch.equal(out, ref)
 
 
-def test_act_ldg_switch_is_off_on_the_cpu(monkeypatch):
-    """$VLLM_SM121_MOE_ACT_LDG: never on the CPU (inline PTX the interpreter cannot run)."""
+def _ldg_switches(K):
+    return {"act_ldg": (K.ACT_LDG_ENV, K.act_ldg), "scale_ldg": (K.SCALE_LDG_ENV, K.scale_ldg)}
+
+
+@pytest.mark.parametrize("switch", ["act_ldg", "scale_ldg"])
+def test_act_ldg_switch_is_off_on_the_cpu(switch, monkeypatch):
+    """$VLLM_SM121_MOE_ACT_LDG / $VLLM_SM121_MOE_SCALE_LDG: never on the CPU (inline PTX the
+    interpreter cannot run)."""
     from vllm_sm121.kernels import moe as K
 
-    monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
-    assert K.act_ldg(torch.zeros(1)) is False
-    monkeypatch.setenv(K.ACT_LDG_ENV, "1")
-    assert K.act_ldg(torch.zeros(1)) is False
+    env, fn = _ldg_switches(K)[switch]
+    monkeypatch.delenv(env, raising=False)
+    assert fn(torch.zeros(1)) is False
+    monkeypatch.setenv(env, "1")
+    assert fn(torch.zeros(1)) is False
 
 
 @pytest.mark.gpu
-def test_act_ldg_switch_on_a_gpu(monkeypatch):
+@pytest.mark.parametrize("switch", ["act_ldg", "scale_ldg"])
+def test_act_ldg_switch_on_a_gpu(switch, monkeypatch):
     """On a GPU: off by default, on with 1, a bad value an error naming the variable."""
     from vllm_sm121.kernels import moe as K
 
-    monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
-    assert K.act_ldg(torch.zeros(1, device="cuda")) is False
-    monkeypatch.setenv(K.ACT_LDG_ENV, "1")
-    assert K.act_ldg(torch.zeros(1, device="cuda")) is True
-    monkeypatch.setenv(K.ACT_LDG_ENV, "on")
-    with pytest.raises(ValueError, match=K.ACT_LDG_ENV):
-        K.act_ldg(torch.zeros(1, device="cuda"))
+    env, fn = _ldg_switches(K)[switch]
+    monkeypatch.delenv(env, raising=False)
+    assert fn(torch.zeros(1, device="cuda")) is False
+    monkeypatch.setenv(env, "1")
+    assert fn(torch.zeros(1, device="cuda")) is True
+    monkeypatch.setenv(env, "on")
+    with pytest.raises(ValueError, match=env):
+        fn(torch.zeros(1, device="cuda"))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["act_ldg", "scale_ldg"])
 @pytest.mark.parametrize("m", [1, 2, 4])
-def test_act_ldg_changes_no_output_on_gpu(m, monkeypatch):
-    """The activation words by plain loads instead of pipelined copies: the same bytes, eager and
-    graph-replayed (the FMA path at gpt-oss-120b shapes)."""
+def test_act_ldg_changes_no_output_on_gpu(m, switch, monkeypatch):
+    """The activation words by plain loads instead of pipelined copies ($VLLM_SM121_MOE_ACT_LDG), and
+    the scale bytes one step ahead as int32 loads ($VLLM_SM121_MOE_SCALE_LDG): the same bytes,
+    eager and graph-replayed (the FMA path at gpt-oss-120b shapes, shipped tiles)."""
     from helpers import graph_replayed
 
     from vllm_sm121.kernels import moe as K
 
+    env = {"act_ldg": K.ACT_LDG_ENV, "scale_ldg": K.SCALE_LDG_ENV}[switch]
     args = _gpt_oss_layer(128, seed=23)
     g = torch.Generator().manual_seed(24)
     xq, xs = K.mxfp8_quantize(torch.randn(m, 2880, generator=g).bfloat16().cuda())
     logits = torch.randn(m, 128, generator=g).bfloat16().cuda()
     monkeypatch.delenv(K.ACT_LDG_ENV, raising=False)
+    monkeypatch.delenv(K.SCALE_LDG_ENV, raising=False)
     ref = K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")
-    monkeypatch.setenv(K.ACT_LDG_ENV, "1")
+    monkeypatch.setenv(env, "1")
     assert torch.equal(K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma"), ref)
     assert torch.equal(graph_replayed(lambda: K.moe_block(xq, logits, *args, 4, x_scale=xs, path="fma")), ref)

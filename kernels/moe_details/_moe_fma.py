@@ -154,9 +154,22 @@ def _ldg_nc_pair(ptr, ok):
 
 
 @triton.jit
+def _ldg_u8(ptr, ok):
+    """One e8m0 scale byte at each ``ptr`` (127, i.e. 1.0, where not ``ok``) by ``ld.global.nc.u8`` straight into a
+    32-bit register, as int32. Triton carries a uint8 ``tl.load`` across a loop iteration packed
+    in a register that ptxas unpacks (``PRMT`` / ``LOP3 & 0xff``) soon after the load, so a scale
+    loaded one K step ahead was still waited for in the step that loaded it (ncu, H100, FC1: 14% of
+    the stall samples on two such unpacks); here the first use is the next step's arithmetic. Not
+    marked pure (stays after a PDL wait). Inline PTX (sm_90 and sm_12x; not the interpreter)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 127; @p ld.global.nc.u8 $0, [$1]; }",
+        constraints="=r,l,r", args=[ptr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c, c_ok, offs_g, g_ok,
                K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, F16X2: tl.constexpr,
-               ACT_LDG: tl.constexpr = False):
+               ACT_LDG: tl.constexpr = False, a_raw=None):
     """One token's contribution of a weight tile: [BLOCK_R, BLOCK_G] fp32 (true values).
 
     w: [BLOCK_R, 4 * BLOCK_G] int32 words (8 e2m1 each; 4 words = one 32-value group), or with
@@ -181,8 +194,9 @@ def _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, row, w_exp, g0, offs_c
         for j in tl.static_range(4):
             s += _e2m1_nibble(w, 4 + j) * _e4m3_byte(hi, j)[None, :]
         unit = PROD_EXP
-    a_exp = tl.maximum(tl.load(act_scale_ptr + row * (K // 32) + g0 + offs_g, mask=g_ok, other=127).to(tl.int32)
-                       - 127, -126)
+    if a_raw is None:
+        a_raw = tl.load(act_scale_ptr + row * (K // 32) + g0 + offs_g, mask=g_ok, other=127).to(tl.int32)
+    a_exp = tl.maximum(a_raw - 127, -126)
     e = tl.minimum(tl.maximum(w_exp + a_exp[None, :] + unit, -126), 127)
     return tl.sum(tl.reshape(s, [BLOCK_R, BLOCK_G, 4]), axis=2) * _pow2(e)
 
@@ -192,7 +206,7 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
                  g_lo, G_RANGE: tl.constexpr, K: tl.constexpr, NT: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, F16X2: tl.constexpr, PDL: tl.constexpr = False,
                  w_desc=None, row0=0, TMA: tl.constexpr = 0, SCALES_AHEAD: tl.constexpr = True,
-                 ACT_LDG: tl.constexpr = False):
+                 ACT_LDG: tl.constexpr = False, SCALE_LDG: tl.constexpr = False):
     """Rows ``w_rows`` [BLOCK_R] of an MXFP4 matrix (int32 words [*, K/8], e8m0 [*, K/32]) times
     up to NT = 4 tokens' MXFP8 activation rows r0..r3 (r0 always; r1..r3 only where u1..u3),
     over the 32-value groups g_lo .. g_lo + G_RANGE of K (clipped to K/32).
@@ -226,8 +240,15 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
     # otherwise stall every step for a memory round trip. Not with TMA at NT >= 3, where the extra
     # registers spill (sm_90a, FC1: 32 -> 96 bytes of stack at NT = 4, 0 -> 32 at NT = 3).
     WS_AHEAD: tl.constexpr = PREFETCH if TMA == 0 else (NT <= 2 and SCALES_AHEAD)
+    # SCALE_LDG (GPU, opt-in): those scale bytes, and token 0's activation scales one step ahead
+    # too, loaded by _ldg_u8 (int32 registers: no unpacking that waits for the load in its own step).
+    a_row0 = act_scale_ptr + r0 * (K // 32)
     if WS_AHEAD:
-        ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
+        if SCALE_LDG:
+            ws_nxt = _ldg_u8(ws_base + g_lo, rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32))
+            as_nxt = _ldg_u8(a_row0 + g_lo + offs_g, g_lo + offs_g < K // 32)
+        else:
+            ws_nxt = tl.load(ws_base + g_lo, mask=rows_ok[None, :] & (g_lo + offs_g[:, None] < K // 32), other=127)
     if PDL:  # the weights (never written) are in flight: now wait for the previous kernel's activations
         pdl_wait_then_release()
     for gi in tl.range(0, G_RANGE, BLOCK_G, num_stages=NUM_STAGES):
@@ -235,10 +256,16 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
         g_ok = g0 + offs_g < K // 32
         c_ok = g0 * 4 + offs_c < K // 8
         in_range = gi + BLOCK_G < G_RANGE  # the next step is this program's (not the next split's)
+        a_raw = None
         if WS_AHEAD:  # the scales: loaded one step ahead (see above)
             ws = ws_nxt
             g_nxt = (g0 + BLOCK_G + offs_g < K // 32) & in_range
-            ws_nxt = tl.load(ws_base + g0 + BLOCK_G, mask=rows_ok[None, :] & g_nxt[:, None], other=127)
+            if SCALE_LDG:
+                a_raw = as_nxt
+                ws_nxt = _ldg_u8(ws_base + g0 + BLOCK_G, rows_ok[None, :] & g_nxt[:, None])
+                as_nxt = _ldg_u8(a_row0 + g0 + BLOCK_G + offs_g, g_nxt)
+            else:
+                ws_nxt = tl.load(ws_base + g0 + BLOCK_G, mask=rows_ok[None, :] & g_nxt[:, None], other=127)
         else:
             ws = tl.load(ws_base + g0, mask=rows_ok[None, :] & g_ok[:, None], other=127)
         if TMA > 0:  # Triton pipelines the descriptor loads (cp.async.bulk.tensor + mbarriers)
@@ -258,7 +285,7 @@ def _stream_rows(w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, w_rows, rows_ok, r0
             p2 = w
             p3 = w
         acc0 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r0, w_exp, g0, offs_c, c_ok, offs_g, g_ok, K,
-                           BLOCK_R, BLOCK_G, F16X2, ACT_LDG)
+                           BLOCK_R, BLOCK_G, F16X2, ACT_LDG, a_raw)
         if NT > 1:
             if u1:
                 acc1 += _group_dot(w, p0, p1, p2, p3, act_ptr, act_scale_ptr, r1, w_exp, g0, offs_c, c_ok, offs_g,
@@ -373,6 +400,7 @@ def _moe_fc1_swiglu_fma_kernel(
     HAS_MAP: tl.constexpr = False,  # ROUTE: expert parallelism (expert_map_ptr)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
     ACT_LDG: tl.constexpr = False,  # activations by plain loads, not pipelined ($VLLM_SM121_MOE_ACT_LDG)
+    SCALE_LDG: tl.constexpr = False,  # scale bytes one step ahead as int32 ($VLLM_SM121_MOE_SCALE_LDG)
     PF: tl.constexpr = False,  # L2 prefetch of the routed experts' pf / pfs slices (kernels/l2_prefetch.py)
     PF_LATE: tl.constexpr = False,  # ... after this program's own weight stream instead of before it
     PF_LANES: tl.constexpr = 128,
@@ -418,7 +446,8 @@ def _moe_fc1_swiglu_fma_kernel(
         bias = tl.load(bias_ptr + w_rows).to(tl.float32)
     h0, h1, h2, h3 = _stream_rows(w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, w_rows, row_ok, t0, t1, t2, t3,
                                   u1, u2, u3, split * G_RANGE, G_RANGE, K, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2,
-                                  w_desc=w_desc, row0=row0, TMA=TMA, SCALES_AHEAD=SCALES_AHEAD, ACT_LDG=ACT_LDG)
+                                  w_desc=w_desc, row0=row0, TMA=TMA, SCALES_AHEAD=SCALES_AHEAD, ACT_LDG=ACT_LDG,
+                                  SCALE_LDG=SCALE_LDG)
     if PF and PF_LATE:
         _prefetch_expert(pf_ptr, pf_bytes, pfs_ptr, pfs_bytes, expert, PF_LANES, PF_LINE)
     if SPLIT > 1:
@@ -528,6 +557,7 @@ def _moe_fc2_fma_kernel(
     COMBINE: tl.constexpr = False,  # sum the partials into out_ptr here (no combine launch)
     SCALES_AHEAD: tl.constexpr = True,  # TMA: the weight scales one step ahead (_stream_rows; A/B switch)
     ACT_LDG: tl.constexpr = False,  # activations by plain loads, not pipelined ($VLLM_SM121_MOE_ACT_LDG)
+    SCALE_LDG: tl.constexpr = False,  # scale bytes one step ahead as int32 ($VLLM_SM121_MOE_SCALE_LDG)
     PF: tl.constexpr = False,  # L2 prefetch of pf_ptr's bytes, shared by every program (kernels/l2_prefetch.py)
     PF_LATE: tl.constexpr = False,  # ... after the program's own weight stream instead of first thing
     PF_LANES: tl.constexpr = 128,
@@ -569,7 +599,7 @@ def _moe_fc2_fma_kernel(
                                   t1 * TOPK + s1, t2 * TOPK + s2, t3 * TOPK + s3, u1, u2, u3, split * GPS, GPS,
                                   I, NT, BLOCK_R, BLOCK_G, PREFETCH, F16X2, PDL, w_desc=w_desc,
                                   row0=(expert * H + tl.program_id(1) * BLOCK_R).to(tl.int32), TMA=TMA,
-                                  SCALES_AHEAD=SCALES_AHEAD, ACT_LDG=ACT_LDG)
+                                  SCALES_AHEAD=SCALES_AHEAD, ACT_LDG=ACT_LDG, SCALE_LDG=SCALE_LDG)
     if PF and PF_LATE:
         prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
     if NT > 2:
