@@ -382,8 +382,9 @@ def scales_ahead() -> bool:
 # The FMA GEMVs' activation words by plain ``ld.global.nc`` loads (opt-in, $VLLM_SM121_MOE_ACT_LDG=1,
 # read at call time; GPU only) instead of Triton's pipelined cp.async copies through shared memory,
 # which cost every K step a ``cp.async.wait_group`` + CTA barrier before the math (sm_90a PTX of the
-# TMA FC1 at M = 1: 3 -> 2 ``bar.sync`` per step). Stop 30 found FC1 stalled on shared memory 40% of
-# its cycles (ncu, H100); not timed yet (benchmarks/moe_probe.py --rotate).
+# TMA FC1 at M = 1: 3 -> 2 ``bar.sync`` per step). Timed on an H100 (ef6fdb1, moe_probe --rotate,
+# docs/logs/actldg-h100-ef6fdb1.log), off / on, cold / hot us: FC1 M=1 18.1 / 13.5 vs 17.9 / 13.0,
+# FC2 + combine 12.2 / 9.7 vs 13.1 / 10.9 (slower), M=2/4 within ~1 us either way: stays off.
 ACT_LDG_ENV = "VLLM_SM121_MOE_ACT_LDG"
 
 
@@ -396,7 +397,10 @@ def act_ldg(t: torch.Tensor) -> bool:
 # but Triton's packed uint8 registers made ptxas unpack them in the loading step) and token 0's
 # activation scales (loaded inside the step before). Per-instruction ncu of FC1 (H100, ef6fdb1,
 # docs/logs/moesass-h100-ef6fdb1.csv): 14% of the stall samples on those two unpacks, 19% on the
-# TMA stage wait. Same bits as without.
+# TMA stage wait. Same bits as without (GPU test, H200). Timed once on an H200 (7f8bd46,
+# docs/logs/scaleldg-h200-7f8bd46.log), off / on, cold / hot us: FC1 M=1 16.0 / 13.3 vs 16.2 / 13.3,
+# FC2 + combine 11.5 / 9.7 vs 10.9 / 9.3, M=2 FC1 32.2 vs 31.7, FC2 21.0 vs 20.6 (cold): FC2 ~0.5 us
+# faster, FC1 unchanged, one run; off until an end-to-end run says more.
 SCALE_LDG_ENV = "VLLM_SM121_MOE_SCALE_LDG"
 
 
