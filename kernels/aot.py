@@ -313,6 +313,8 @@ def moe_specs(family: str) -> list[Spec]:
                                                  constexprs=dict(spec.constexprs, ACT_LDG=True)))
                 specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", scale ldg]",
                                                  constexprs=dict(spec.constexprs, SCALE_LDG=True)))
+                specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", fp16 group chains]",
+                                                 constexprs=dict(spec.constexprs, F16X2=2)))
             specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
                               constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
                               ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
@@ -324,10 +326,14 @@ def moe_specs(family: str) -> list[Spec]:
                 specs.append(dataclasses.replace(
                     spec, name=spec.name[:-1] + f", TMA {st} stages]", constexprs=dict(c, TMA=st),
                     ptr_types=dict(spec.ptr_types, w_desc=f"tensordesc<i32[{rows}, {kb // 4}]>")))
-                if nt == 1:  # with the scale bytes as int32 loads ($VLLM_SM121_MOE_SCALE_LDG)
+                if nt == 1:  # with the scale bytes as int32 loads ($VLLM_SM121_MOE_SCALE_LDG), fp16 group chains
+                    tma_spec = specs[-1]
                     specs.append(dataclasses.replace(
-                        specs[-1], name=specs[-1].name[:-1] + ", scale ldg]",
-                        constexprs=dict(specs[-1].constexprs, SCALE_LDG=True)))
+                        tma_spec, name=tma_spec.name[:-1] + ", scale ldg]",
+                        constexprs=dict(tma_spec.constexprs, SCALE_LDG=True)))
+                    specs.append(dataclasses.replace(
+                        tma_spec, name=tma_spec.name[:-1] + ", fp16 group chains]",
+                        constexprs=dict(tma_spec.constexprs, F16X2=2)))
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
     # with bf16 input (MXFP8 round trip in registers) at the largest.
     tiles = [t for _, t in M.GROUPED_TILES[family]]

@@ -307,10 +307,19 @@ def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
 # 1e-2) is a tenth of what MXFP8 activations already cost against bf16. The exact-rule kernel
 # tests pin VLLM_SM121_MOE_FMA_F16X2=0.
 FMA_F16X2_ENV = "VLLM_SM121_MOE_FMA_F16X2"
+# =2 (opt-in, stop 31): each 32-value group's products in one fp16x2 chain (``_moe_fma._dot32_f16``:
+# 18 instead of 27 instructions per group, the group's partial sums rounded to fp16).
 
 
-def fma_f16x2(t: torch.Tensor) -> bool:
-    return _platform.family_of(t) != _platform.INTERPRETER and V.env_int(FMA_F16X2_ENV, 1) != 0
+def fma_f16x2(t: torch.Tensor) -> int:
+    """0: exact fp32 products, 1: packed fp16 products per word (the GPU default), 2: per group."""
+    if _platform.family_of(t) == _platform.INTERPRETER:
+        return 0
+    v = V.env_int(FMA_F16X2_ENV, 1)
+    if v not in (0, 1, 2):
+        raise ValueError(f"${FMA_F16X2_ENV}={v}: supported: 0 (exact fp32 products), 1 (packed fp16 products per "
+                         "8-value word, the default), 2 (per 32-value group)")
+    return v
 
 
 # A register cap for the FMA GEMVs (opt-in, VLLM_SM121_MOE_FMA_MAXNREG=<n>, read at call time; GPU

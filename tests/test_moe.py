@@ -275,6 +275,11 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
         assert K.fma_tiles(cpu, 1) == K.FMA_TILES_F16X2[(K._platform.SM90, 1)] != K.FMA_TILES[(K._platform.SM90, 1)]
         mp.delenv(K.FMA_F16X2_ENV)
         assert K.fma_f16x2(cpu)  # the default on a GPU
+        mp.setenv(K.FMA_F16X2_ENV, "2")  # per-group fp16 chains (opt-in): the packed products' tiles
+        assert K.fma_f16x2(cpu) == 2 and K.fma_tiles(cpu, 1) == K.FMA_TILES_F16X2[(K._platform.SM90, 1)]
+        mp.setenv(K.FMA_F16X2_ENV, "3")
+        with pytest.raises(ValueError, match=K.FMA_F16X2_ENV):
+            K.fma_f16x2(cpu)
         mp.setenv(K.FMA_F16X2_ENV, "0")
         assert not K.fma_f16x2(cpu)
         assert K.fma_tiles(cpu, 3) == K.FMA_TILES[(K._platform.SM90, 2)]
@@ -509,7 +514,8 @@ def test_fma_pdl_launches_equal_plain_launches_on_gpu(m, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,tiles", [(1, None), (4, None), (1, "64,256,32,256,4,2,4,2,2,3"),
                                      (3, "64,256,32,256,4,2,4,2,2,3")])
-def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, mode, monkeypatch):
     """The packed-fp16 products (the default on a GPU; $VLLM_SM121_MOE_FMA_F16X2=1) against the exact
     fp32 integer decode of the same kernels ($VLLM_SM121_MOE_FMA_F16X2=0), gpt-oss-120b layer, with each setting's
     default tiles (FMA_TILES_F16X2 vs FMA_TILES) or both with FC1 / FC2 split-K. One GEMV differs by
@@ -517,7 +523,8 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, monkeypatch):
     step, so the block differs by ~3e-3 (3.1e-3 / 3.6e-3 at M = 1 / 4 on an H200, dbee2b3, with the
     tiles both settings then shared; the packed products' own tiles at beb4e57: 3.1e-3 / 3.4e-3 from
     the MXFP8 reference in benchmarks/moe.py): bound
-    1e-2 (MXFP8 activations are ~4e-2 from bf16); FC1's MXFP8 outputs >= 95% identical."""
+    1e-2 (MXFP8 activations are ~4e-2 from bf16); FC1's MXFP8 outputs >= 95% identical. Mode "2"
+    ($VLLM_SM121_MOE_FMA_F16X2=2, opt-in): whole-group fp16 chains, held to the same bounds."""
     from vllm_sm121.kernels import moe as K
 
     args = _gpt_oss_layer(128, seed=40 + m)
@@ -530,12 +537,13 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, monkeypatch):
         monkeypatch.setenv(K.FMA_TILES_ENV, tiles)
     else:
         monkeypatch.delenv(K.FMA_TILES_ENV, raising=False)
-    for flag in ("1", "0"):
+    for flag in (mode, "0"):
         monkeypatch.setenv(K.FMA_F16X2_ENV, flag)
         outs.append(K.moe_block(x, logits, *args, 4, path="fma").float())
         fc1.append(K.moe_fc1_swiglu_fma(xq, xs, *args[:3], topk_ids))
     rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
-    print(f"\nM={m} tiles {tiles or 'default'}: packed fp16 vs exact fp32 products, block rel L2 {rel:.2e}")
+    print(f"\nM={m} tiles {tiles or 'default'} mode {mode}: packed fp16 vs exact fp32 products, block rel L2 "
+          f"{rel:.2e}")
     assert torch.isfinite(outs[0]).all() and rel < 1e-2
     # FC1's MXFP8 outputs: a value rarely crosses an e4m3 rounding boundary (or a block's max a
     # power of two, changing its scale), so compare dequantized: mostly identical, close overall
