@@ -263,6 +263,13 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-pdlkv", _all_on(),
            "sm121-all-moe + VLLM_SM121_PDL=1 + VLLM_SM121_KV_IN_QKV=1", **OFF,
            env=(MOE_ON, ("VLLM_SM121_PDL", "1"), ("VLLM_SM121_KV_IN_QKV", "1"))),
+    # Stop 31's MoE opt-ins: whole-group fp16 chains (FC1 -1.5 us on an H200) and the scale bytes as int32 loads
+    Config("sm121-all-moe-f16group", _all_on(),
+           "sm121-all-moe + each 32-value group of the MoE GEMVs summed in one fp16 chain (opt-in)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "2"))),
+    Config("sm121-all-moe-scaleldg", _all_on(),
+           "sm121-all-moe + f16group + the MoE GEMVs' scale bytes one step ahead as int32 loads (opt-in)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "2"), ("VLLM_SM121_MOE_SCALE_LDG", "1"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

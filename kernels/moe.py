@@ -308,7 +308,12 @@ def fma_tiles(t: torch.Tensor, m: int = 1) -> FmaTiles:
 # tests pin VLLM_SM121_MOE_FMA_F16X2=0.
 FMA_F16X2_ENV = "VLLM_SM121_MOE_FMA_F16X2"
 # =2 (opt-in, stop 31): each 32-value group's products in one fp16x2 chain (``_moe_fma._dot32_f16``:
-# 18 instead of 27 instructions per group, the group's partial sums rounded to fp16).
+# 18 instead of 27 instructions per group, the group's partial sums rounded to fp16). One H200,
+# 096aea5 (docs/logs/f16group-h200-096aea5.log, moe_probe --rotate, M = 1), mode 1 / 2, cold / hot us:
+# FC1 15.9 / 13.3 vs 14.4 / 12.3 (-1.5 us cold), FC2 + combine 11.4 / 9.6 vs 11.5 / 10.1; block rel
+# L2 against the exact products 4.8e-3 (M = 1, 4) and 7.4e-3 (M = 3, split-K tiles) vs 3.1-4.2e-3
+# for mode 1 (GPU test bound 1e-2; docs/logs/moetests-f16group-h200-096aea5.log). Opt-in until an
+# end-to-end run.
 
 
 def fma_f16x2(t: torch.Tensor) -> int:

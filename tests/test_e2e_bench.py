@@ -246,7 +246,12 @@ def test_configs_table():
                  "sm121-all-moe-fused", "sm121-all-moe-f16x2", "sm121-all-moe-exact", "sm121-all-moe-rope",
                  "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit", "sm121-all-moe-l2o",
                  "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl", "sm121-all-moe-merge1",
-                 "sm121-all-moe-pdlkv")
+                 "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg")
+    assert dict(by["sm121-all-moe-f16group"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_MOE_FMA_F16X2": "2"}
+    assert dict(by["sm121-all-moe-scaleldg"].env) == {**dict(by["sm121-all-moe-f16group"].env),
+                                                      "VLLM_SM121_MOE_SCALE_LDG": "1"}
+    assert by["sm121-all-moe-f16group"].llm_kwargs == by["sm121-all-moe-scaleldg"].llm_kwargs == \
+        by["sm121-all-moe"].llm_kwargs
     assert dict(by["sm121-all-moe-merge1"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
                                                     "VLLM_SM121_ATTN_ONE_SPLIT_FINISH": "0"}
     assert dict(by["sm121-all-moe-pdlkv"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_PDL": "1",
