@@ -43,9 +43,11 @@ Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions pe
 
 Opt-ins (GPU only, ``kernels/moe.py``): F16X2, packed fp16 products (``_e2m1_pairs_f16``,
 ``_e4m3_pairs_f16``, ``_dot8_f16``: ~3.1 instructions per weight value, each word's 8-term sum
-rounded to fp16 once); PDL, programmatic dependent launch of FC1 -> FC2 -> combine
+rounded to fp16 once; the GPU default), or F16X2 == 2 (``_dot32_f16``: each 32-value group in one
+fp16 chain); PDL, programmatic dependent launch of FC1 -> FC2 -> combine
 (``_mx.pdl_wait_then_release``: FC1 waits first thing, FC2 after its routing and any prefetched
-first weights).
+first weights); ACT_LDG (``_ldg_nc_pair``) and SCALE_LDG (``_ldg_u8``), plain ``ld.global.nc``
+loads of the activation words and of the scale bytes.
 """
 
 import triton
