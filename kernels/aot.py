@@ -225,6 +225,13 @@ def norm_specs(family: str) -> list[Spec]:
                                 res_out_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", g_ptr="*bf16"), num_warps=4)]
 
 
+def _stop31_variants(spec: Spec) -> list[Spec]:
+    """An FMA GEMV spec with the scale bytes as int32 loads ($VLLM_SM121_MOE_SCALE_LDG) and with fp16
+    group chains ($VLLM_SM121_MOE_FMA_F16X2=2), both opt-in."""
+    return [dataclasses.replace(spec, name=spec.name[:-1] + f", {tag}]", constexprs=dict(spec.constexprs, **extra))
+            for tag, extra in (("scale ldg", dict(SCALE_LDG=True)), ("fp16 group chains", dict(F16X2=2)))]
+
+
 def moe_specs(family: str) -> list[Spec]:
     """Routing, the decode GEMVs and the grouped (prefill) GEMMs at gpt-oss-120b shapes, with the
     launchers' tiles (``kernels/moe.py``: DECODE_*, FMA_TILES, GROUPED_TILES; GPU flags on)."""
@@ -311,10 +318,7 @@ def moe_specs(family: str) -> list[Spec]:
             for spec in (fc1_spec, fc2_spec):
                 specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", activations ldg]",
                                                  constexprs=dict(spec.constexprs, ACT_LDG=True)))
-                specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", scale ldg]",
-                                                 constexprs=dict(spec.constexprs, SCALE_LDG=True)))
-                specs.append(dataclasses.replace(spec, name=spec.name[:-1] + ", fp16 group chains]",
-                                                 constexprs=dict(spec.constexprs, F16X2=2)))
+                specs += _stop31_variants(spec)
             specs.append(Spec(name="moe_combine[H2880 top4, PDL]", fn=_moe_combine_kernel,
                               constexprs=dict(H=2880, TOPK=4, BLOCK=1024, PDL=True),
                               ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
@@ -326,14 +330,8 @@ def moe_specs(family: str) -> list[Spec]:
                 specs.append(dataclasses.replace(
                     spec, name=spec.name[:-1] + f", TMA {st} stages]", constexprs=dict(c, TMA=st),
                     ptr_types=dict(spec.ptr_types, w_desc=f"tensordesc<i32[{rows}, {kb // 4}]>")))
-                if nt == 1:  # with the scale bytes as int32 loads ($VLLM_SM121_MOE_SCALE_LDG), fp16 group chains
-                    tma_spec = specs[-1]
-                    specs.append(dataclasses.replace(
-                        tma_spec, name=tma_spec.name[:-1] + ", scale ldg]",
-                        constexprs=dict(tma_spec.constexprs, SCALE_LDG=True)))
-                    specs.append(dataclasses.replace(
-                        tma_spec, name=tma_spec.name[:-1] + ", fp16 group chains]",
-                        constexprs=dict(tma_spec.constexprs, F16X2=2)))
+                if nt == 1:
+                    specs += _stop31_variants(specs[-1])
     # The grouped (prefill) GEMMs with every tile of the family's table (BLOCK_M 16 .. 128); FC1
     # with bf16 input (MXFP8 round trip in registers) at the largest.
     tiles = [t for _, t in M.GROUPED_TILES[family]]

@@ -134,6 +134,14 @@ def _words4(x, LEAD: tl.constexpr, G: tl.constexpr):
     return w0, w1, w2, w3
 
 
+# _dot32_f16's chain: 16 fp16x2 multiply-adds of the weight pairs $1..$16 with the activation pairs
+# $17..$32, the two halves added once and converted to fp32.
+_DOT32_ASM = tl.constexpr("{ .reg .b32 s; .reg .b16 x, y; mul.rn.f16x2 s, $1, $17; "
+                          + " ".join(f"fma.rn.f16x2 s, ${i}, ${i + 16}, s;" for i in range(2, 17))
+                          + " mov.b32 {x, y}, s; add.rn.f16 x, x, y; cvt.f32.f16 $0, x; }")
+_DOT32_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 32))
+
+
 @triton.jit
 def _dot32_f16(p0, p1, p2, p3, a0, a1, a2, a3, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     """F16X2 == 2 (opt-in): a whole 32-value group's products in one fp16x2 multiply-add chain (16
@@ -144,11 +152,8 @@ def _dot32_f16(p0, p1, p2, p3, a0, a1, a2, a3, BLOCK_R: tl.constexpr, BLOCK_G: t
     ps = _words4(p0, BLOCK_R, BLOCK_G) + _words4(p1, BLOCK_R, BLOCK_G) + _words4(p2, BLOCK_R, BLOCK_G) \
         + _words4(p3, BLOCK_R, BLOCK_G)
     acts = _words4(a0, 1, BLOCK_G) + _words4(a1, 1, BLOCK_G) + _words4(a2, 1, BLOCK_G) + _words4(a3, 1, BLOCK_G)
-    return tl.inline_asm_elementwise(
-        asm="""{ .reg .b32 s; .reg .b16 x, y;
-        mul.rn.f16x2 s, $1, $17; fma.rn.f16x2 s, $2, $18, s; fma.rn.f16x2 s, $3, $19, s; fma.rn.f16x2 s, $4, $20, s; fma.rn.f16x2 s, $5, $21, s; fma.rn.f16x2 s, $6, $22, s; fma.rn.f16x2 s, $7, $23, s; fma.rn.f16x2 s, $8, $24, s; fma.rn.f16x2 s, $9, $25, s; fma.rn.f16x2 s, $10, $26, s; fma.rn.f16x2 s, $11, $27, s; fma.rn.f16x2 s, $12, $28, s; fma.rn.f16x2 s, $13, $29, s; fma.rn.f16x2 s, $14, $30, s; fma.rn.f16x2 s, $15, $31, s; fma.rn.f16x2 s, $16, $32, s;
-        mov.b32 {x, y}, s; add.rn.f16 x, x, y; cvt.f32.f16 $0, x; }""",
-        constraints="=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", args=list(ps) + list(acts), dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(asm=_DOT32_ASM, constraints=_DOT32_CONSTRAINTS, args=list(ps) + list(acts),
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

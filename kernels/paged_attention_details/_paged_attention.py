@@ -521,23 +521,38 @@ def _merge_scale(m, l, sink, AXIS: tl.constexpr, USE_SINKS: tl.constexpr):
 
 
 @triton.jit
-def _finish_rows(out_ptr, acc, m, l, sinks_ptr, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t, stride_o_h,
-                 HEAD_PAD: tl.constexpr, USE_SINKS: tl.constexpr, SCALED: tl.constexpr):
-    """``_merge_splits`` for a tile whose only live split is this program: its accumulator ``acc``
-    [BLOCK_M, HEAD_PAD] and statistics ``m`` / ``l`` [BLOCK_M] (log2 units, no sink yet) straight
-    from registers, merged with the sink and stored exactly as the merge would store them."""
+def _sink_log2(sinks_ptr, q_head, row_ok, USE_SINKS: tl.constexpr):
+    """The rows' sink logits in log2 units (-inf for rows past the tile; 0.0, unused, without sinks)."""
     sink = 0.0
     if USE_SINKS:
         sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * RCP_LN2
-    m_use, denom = _merge_scale(m[:, None], l[:, None], sink, 1, USE_SINKS)
-    o = tl.zeros_like(acc)  # (as the merge: from +0, so a -0 product sums to the merge's +0)
-    o += acc * tl.exp2(m - m_use)[:, None]
+    return sink
+
+
+@triton.jit
+def _store_rows(out_ptr, o, denom, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t, stride_o_h,
+                HEAD_PAD: tl.constexpr, SCALED: tl.constexpr):
+    """The merged rows ``o`` [BLOCK_M, HEAD_PAD] / ``denom`` (times the V scale) into ``out``."""
     o = o / denom[:, None]
     if SCALED:
         o = o * tl.load(v_scale_ptr)
     offs_d = tl.arange(0, HEAD_PAD)
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _finish_rows(out_ptr, acc, m, l, sinks_ptr, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t, stride_o_h,
+                 HEAD_PAD: tl.constexpr, USE_SINKS: tl.constexpr, SCALED: tl.constexpr):
+    """``_merge_splits`` for a tile whose only live split is this program: its accumulator ``acc``
+    [BLOCK_M, HEAD_PAD] and statistics ``m`` / ``l`` [BLOCK_M] (log2 units, no sink yet) straight
+    from registers, merged with the sink and stored exactly as the merge would store them."""
+    sink = _sink_log2(sinks_ptr, q_head, row_ok, USE_SINKS)
+    m_use, denom = _merge_scale(m[:, None], l[:, None], sink, 1, USE_SINKS)
+    o = tl.zeros_like(acc)  # (as the merge: from +0, so a -0 product sums to the merge's +0)
+    o += acc * tl.exp2(m - m_use)[:, None]
+    _store_rows(out_ptr, o, denom, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t, stride_o_h, HEAD_PAD,
+                SCALED)
 
 
 @triton.jit
@@ -554,9 +569,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, ro
     ml = (row0[:, None] + offs_s[None, :]) * 2
     m = tl.load(part_ml_ptr + ml, mask=live, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(part_ml_ptr + ml + 1, mask=live, other=0.0, cache_modifier=".cg")
-    sink = 0.0
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * RCP_LN2
+    sink = _sink_log2(sinks_ptr, q_head, row_ok, USE_SINKS)
     m_use, denom = _merge_scale(m, l, sink, 1, USE_SINKS)
     o = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
@@ -565,11 +578,8 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, ro
         acc_s = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=live_s[:, None],
                         other=0.0, cache_modifier=".cg")
         o += acc_s * tl.exp2(m_s - m_use)[:, None]
-    o = o / denom[:, None]
-    if SCALED:
-        o = o * tl.load(v_scale_ptr)
-    tl.store(out_ptr + q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    _store_rows(out_ptr, o, denom, v_scale_ptr, q_rows, q_head, row_ok, d_ok, stride_o_t, stride_o_h, HEAD_PAD,
+                SCALED)
 
 
 @triton.jit
