@@ -270,6 +270,19 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-scaleldg", _all_on(),
            "sm121-all-moe + f16group + the MoE GEMVs' scale bytes one step ahead as int32 loads (opt-in)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "2"), ("VLLM_SM121_MOE_SCALE_LDG", "1"))),
+    # Every opt-in above that timed faster alone, together (stop 32's A/B run)
+    Config("sm121-all-moe-optins", _all_on(),
+           "sm121-all-moe + f16group + scale-byte loads + PDL through the step + the KV write in the qkv GEMV",
+           **OFF, env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "2"), ("VLLM_SM121_MOE_SCALE_LDG", "1"),
+                       ("VLLM_SM121_PDL", "1"), ("VLLM_SM121_KV_IN_QKV", "1"))),
+    # The nvfp4 decode attention with 32- / 64-token KV tiles instead of 128: a short context (tg128:
+    # 16..144 tokens) then spreads over several splits per KV head instead of one program each
+    Config("sm121-all-moe-tile32", _all_on(),
+           "sm121-all-moe with the nvfp4 decode attention on 32-token KV tiles (more splits live at short contexts)",
+           **OFF, env=(MOE_ON, ("VLLM_SM121_ATTN_TILE", "decode_nvfp4=16,32,4,2"))),
+    Config("sm121-all-moe-tile64", _all_on(),
+           "sm121-all-moe with the nvfp4 decode attention on 64-token KV tiles", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_ATTN_TILE", "decode_nvfp4=16,64,4,3"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

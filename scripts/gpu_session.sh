@@ -119,6 +119,15 @@ for step in "$@"; do
                python3 benchmarks/attention.py --kinds decode --providers sm121 --kv-dtype nvfp4 --ctx "${NCU_CTX:-128}" --batch 1 \
                  --window 128 --sm121-split-seq-len 4096 --reps 1 --no-refcheck --out "$OUT/attention_ncu.json" > "$OUT/attnncu.log" 2>&1
              grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Grid Size|Waves Per SM" "$OUT/attnncu.log" | head -n 60 ;;  # the short-context decode attention under a 4k graph's 64 splits
+    attnsass) for ly in ${ATTN_LAYERS:-full sliding}; do  # per-SASS stall samples of one short-context decode attention launch per layer kind (as moesass)
+               ncu --clock-control none -k "regex:_paged_attention_kernel" --launch-skip 2 --launch-count 1 --section SourceCounters \
+                 --section WarpStateStats --section LaunchStats --section Occupancy -f -o /tmp/attnsass_$ly \
+                 python3 benchmarks/attention.py --kinds decode --layers $ly --providers sm121 --kv-dtype "${NCU_KV:-nvfp4}" \
+                 --ctx "${NCU_CTX:-128}" --batch 1 --sm121-split-seq-len 4096 --reps 3 --no-refcheck --out "$OUT/attnsass_$ly.json" > "$OUT/attnsass_run_$ly.log" 2>&1
+               ncu -i /tmp/attnsass_$ly.ncu-rep --page source --csv --print-source sass > "$OUT/attnsass_$ly.csv" 2>&1
+               ncu -i /tmp/attnsass_$ly.ncu-rep --page details --print-details all > "$OUT/attnsass_details_$ly.txt" 2>&1
+               grep -E "Duration|Grid Size|Registers Per|Warp Cycles Per Issued|Achieved Occupancy" "$OUT/attnsass_details_$ly.txt" | head -n 8
+             done ;;
     l2probe) python3 benchmarks/l2_probe.py ${L2_TILES:+--tiles "$L2_TILES"} --out "$OUT/l2_probe${L2_TAG:-}.json" 2>&1 | tee "$OUT/l2probe${L2_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # GEMV cold / hot / after an L2 prefetch (export L2_TILES="r,kw,w;..." for dense tiles cold / hot: PAR VARS cannot carry ";")
     gemvtiles) python3 benchmarks/gemv_tiles.py --shapes "${GEMV_SHAPES:-qkv,o,lm_head}" --m "${GEMV_M:-1}" --fma-tiles "${GEMV_FMA_TILES:-default}" --mmav-tiles "${GEMV_MMAV_TILES:-default}" ${GEMV_ARGS:-} --out "$OUT/gemv_tiles${GEMV_TAG:-}.json" 2>&1 | tee "$OUT/gemvtiles${GEMV_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # one-token dense GEMV per path / tile, cold and hot (export GEMV_MMAV_TILES="r,kb,split,w,st;...": ";" cannot go through PAR VARS)
     densekernels) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_mmav.py ${DENSE_K:+-k "$DENSE_K"} -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/densekernels.log" ;;
