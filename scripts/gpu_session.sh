@@ -128,6 +128,14 @@ for step in "$@"; do
                ncu -i /tmp/attnsass_$ly.ncu-rep --page details --print-details all > "$OUT/attnsass_details_$ly.txt" 2>&1
                grep -E "Duration|Grid Size|Registers Per|Warp Cycles Per Issued|Achieved Occupancy" "$OUT/attnsass_details_$ly.txt" | head -n 8
              done ;;
+    attntiles) for t in ${ATTN_TILES:-16,128,4,3}; do  # the nvfp4 decode attention per tile: short contexts under a 4k graph's splits, then b8 ctx32k
+               echo "--- tile $t"
+               VLLM_SM121_ATTN_TILE="decode_nvfp4=$t" python3 benchmarks/attention.py --kinds decode --layers full,sliding --providers sm121 \
+                 --kv-dtype nvfp4 --ctx "${ATTN_CTX:-128,1024,8192}" --batch 1 --sm121-split-seq-len 4096 --no-refcheck \
+                 --out "$OUT/attntile_${t//,/_}_short.json" 2>&1 | grep -E "^\[|Error|error" | tail -n 8
+               VLLM_SM121_ATTN_TILE="decode_nvfp4=$t" python3 benchmarks/attention.py --kinds decode --layers full --providers sm121 \
+                 --kv-dtype nvfp4 --ctx 32768 --batch 8 --no-refcheck --out "$OUT/attntile_${t//,/_}_long.json" 2>&1 | grep -E "^\[|Error|error" | tail -n 3
+             done ;;
     l2probe) python3 benchmarks/l2_probe.py ${L2_TILES:+--tiles "$L2_TILES"} --out "$OUT/l2_probe${L2_TAG:-}.json" 2>&1 | tee "$OUT/l2probe${L2_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # GEMV cold / hot / after an L2 prefetch (export L2_TILES="r,kw,w;..." for dense tiles cold / hot: PAR VARS cannot carry ";")
     gemvtiles) python3 benchmarks/gemv_tiles.py --shapes "${GEMV_SHAPES:-qkv,o,lm_head}" --m "${GEMV_M:-1}" --fma-tiles "${GEMV_FMA_TILES:-default}" --mmav-tiles "${GEMV_MMAV_TILES:-default}" ${GEMV_ARGS:-} --out "$OUT/gemv_tiles${GEMV_TAG:-}.json" 2>&1 | tee "$OUT/gemvtiles${GEMV_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # one-token dense GEMV per path / tile, cold and hot (export GEMV_MMAV_TILES="r,kb,split,w,st;...": ";" cannot go through PAR VARS)
     densekernels) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_mmav.py ${DENSE_K:+-k "$DENSE_K"} -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/densekernels.log" ;;
