@@ -158,24 +158,26 @@ def attention_specs(family: str) -> list[Spec]:
     # The default decode launch of gpt-oss-120b's full layers in a graph captured at 4k: 64 splits
     # merged by the last split program of each tile (FUSED_COMBINE); bf16 and nvfp4 pages (the
     # family's default decode, inline PTX on sm_90 only).
-    for nvfp4 in (False, True):
+    # "-scale-words": nvfp4 with each token's block scales as one int32 load (NVFP4_SCALE_WORDS).
+    for nvfp4, scale_words in ((False, False), (True, False), (True, True)):
         tile = _platform.attn_tile(family, "decode_nvfp4" if nvfp4 else "decode", 64)
         kv = "*u8" if nvfp4 else "*bf16"
         specs.append(Spec(
-            name=f"paged_attention[decode,d64,{'nvfp4' if nvfp4 else 'bf16'},all-features,fused-merge-64]",
+            name=(f"paged_attention[decode,d64,{'nvfp4' if nvfp4 else 'bf16'},all-features,fused-merge-64"
+                  f"{',scale-words' if scale_words else ''}]"),
             fn=_paged_attention_kernel,
             constexprs=dict(NUM_Q_PER_KV=8, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_M=tile.block_m,
                             BLOCK_Q=tile.block_m // 8, TILE_N=tile.tile_n, SLIDING_WINDOW=0, USE_SOFTCAP=False,
                             USE_SINKS=True, KV_FP8=False, KV_NVFP4=nvfp4, NUM_SPLITS=64, DOT_FP32=False,
                             E2M1_HW=False, NVFP4_VEC=False, NVFP4_ASM=nvfp4 and family == _platform.SM90,
-                            NVFP4_WORDS=False, SEQ_CHUNK=16, FUSED_COMBINE=True),
+                            NVFP4_WORDS=False, NVFP4_SCALE_WORDS=scale_words, SEQ_CHUNK=16, FUSED_COMBINE=True),
             ptr_types=dict(out_ptr="*bf16", cnt_ptr="*i32", q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv,
                            k_bscale_ptr="*u8", v_bscale_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
                            query_start_loc_ptr="*i32"),
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         ))
     # the 120b default decode with the o_proj weight prefetched into L2 (VLLM_SM121_L2_PREFETCH=o)
-    base = specs[-1]
+    base = specs[-2]  # (the nvfp4 default, not its scale-words variant)
     specs.append(dataclasses.replace(base, name=base.name[:-1] + ",l2-prefetch]",
                                      constexprs=dict(base.constexprs, PF=True, PF_LANES=128, PF_LINE=128),
                                      ptr_types=dict(base.ptr_types, pf_ptr="*u8")))

@@ -85,6 +85,23 @@ NVFP4_ASM = True
 # NVFP4_ASM off) have since passed on an H200 (commit 09758ed), so that disagreement is
 # unexplained; off because slower. Needs 4-byte aligned page rows (checked per call).
 NVFP4_WORDS = False
+# nvfp4 gathers (the default page reads), head size 64: each token's four e4m3 block scales of K
+# and of V as one int32 load, the bytes picked in registers (_scale_bytes), instead of byte loads.
+# Why: a byte load is below cp.async's 4-byte minimum, so Triton's pipeline leaves the scale
+# loads in the loop body after the stage wait; the stop-32 ncu of the short-context decode (H200)
+# shows them (LDG.E.U8) issued after the DEPBAR that waits for the page data, i.e. one more
+# dependent DRAM round trip per tile. $VLLM_SM121_ATTN_SCALE_WORDS (read at call time) = 1 / 0
+# overrides this default. Needs 4-byte aligned scale rows (checked per call; else byte loads).
+NVFP4_SCALE_WORDS = False
+ATTN_SCALE_WORDS_ENV = "VLLM_SM121_ATTN_SCALE_WORDS"
+
+
+def nvfp4_scale_words(head_size: int, *scales: torch.Tensor) -> bool:
+    """Whether the nvfp4 gathers load each token's block scales as one int32 (NVFP4_SCALE_WORDS)."""
+    on = V.env_int(ATTN_SCALE_WORDS_ENV, int(NVFP4_SCALE_WORDS))
+    if on not in (0, 1):
+        raise ValueError(f"${ATTN_SCALE_WORDS_ENV}={on}: supported: 0 (byte loads), 1 (one int32 per token)")
+    return bool(on) and head_size == 64 and _word_aligned(*scales)
 # The split-KV merge inside the attention kernel ($VLLM_SM121_ATTN_FUSED_COMBINE, read at call time;
 # default 1, 0: the separate ``_combine_splits_kernel`` launch): the split program of each query
 # tile that finishes last (an acq_rel arrival counter, as the MoE's fused combine) merges the
@@ -422,7 +439,9 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_VEC=kv_nvfp4 and NVFP4_VEC,
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
-        and _word_aligned(key_cache, value_cache), SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
+        and _word_aligned(key_cache, value_cache),
+        NVFP4_SCALE_WORDS=kv_nvfp4 and not NVFP4_VEC and nvfp4_scale_words(head_size, k_bs, v_bs),
+        SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
         ONE_SPLIT_FINISH=fused and attn_one_split_finish(),
         MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw, **pdl_launch(q),
         num_warps=tile.num_warps, num_stages=tile.num_stages,

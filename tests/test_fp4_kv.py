@@ -58,7 +58,8 @@ def test_page_view_rejects_wrong_size():
     ("decode-split", [1], [70], None, 2),
     ("decode-split-short", [1, 1], [20, 70], None, 4),  # one live split finishing its rows, and a merge
 ])
-@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q", "words", "words-fp16-q", "words-triton"])
+@pytest.mark.parametrize("variant", ["gather", "vec", "asm", "fp16-q", "words", "words-fp16-q", "words-triton",
+                                     "scale-words", "scale-words-fp16-q"])
 def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, splits, variant, monkeypatch):
     """The attention kernel dequantizes NVFP4 pages in registers: it matches the reference on the
     same pages (dequantized by torch), so the tolerance measures the kernel only. Both page-load
@@ -66,7 +67,9 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
     GPU only: the interpreter cannot run inline PTX). "fp16-q": an fp16 model, which also runs the
     fp16-operand MMA path under the interpreter (bf16 q takes fp32 dots there). "words": 32-bit
     page words decoded through e4m3 bytes (NVFP4_WORDS; inline PTX on an sm_90 GPU, its Triton
-    form under the interpreter; "words-triton" runs that Triton form on the GPU)."""
+    form under the interpreter; "words-triton" runs that Triton form on the GPU). "scale-words": the
+    gathers (with the inline-PTX decode on an sm_90 GPU) loading each token's block scales as one
+    int32 (NVFP4_SCALE_WORDS)."""
     import sys
 
     if variant == "asm" and device == "cpu":
@@ -77,6 +80,10 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
     monkeypatch.setattr(module, "NVFP4_VEC", variant == "vec")
     monkeypatch.setattr(module, "NVFP4_ASM", variant in ("asm", "words", "words-fp16-q"))  # "words-triton": off
     monkeypatch.setattr(module, "NVFP4_WORDS", variant.startswith("words"))
+    monkeypatch.setattr(module, "NVFP4_SCALE_WORDS", variant.startswith("scale-words"))
+    monkeypatch.delenv(module.ATTN_SCALE_WORDS_ENV, raising=False)
+    if variant.startswith("scale-words"):
+        monkeypatch.setattr(module, "NVFP4_ASM", True)
     from helpers import assert_close
     from vllm_sm121.kernels import paged_attention, paged_attention_torch
 
@@ -111,6 +118,9 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
     out = paged_attention(dev(q), kpd, vpd, dev(block_table), dev(qsl), dev(sl), max_query_len=max(q_lens),
                           max_seq_len=max(seq_lens), scale=0.125, sliding_window=window, sinks=dev(sinks),
                           num_splits=splits)
+    # the variant under test is the one that ran (its launcher check passes on these pages)
+    assert module.nvfp4_scale_words(d, kpd.scales.view(torch.uint8), vpd.scales.view(torch.uint8)) == \
+        variant.startswith("scale-words")
     assert_close(out.cpu(), ref, what=kind)
 
 
@@ -152,3 +162,22 @@ def test_power_of_two_global_scales_store_the_same_values():
     assert torch.equal(out[0], out[1])
     arbitrary = float(g1) * 0.77  # a non-power-of-two scale stores different values
     assert not torch.equal(out[0], nvfp4_dequantize_torch(*nvfp4_quantize_torch(x, arbitrary), arbitrary))
+
+
+def test_scale_words_switch(monkeypatch):
+    """$VLLM_SM121_ATTN_SCALE_WORDS turns the int32 scale loads on and off, only for 64-wide heads and
+    4-byte aligned scale rows, and rejects other values by name."""
+    import sys
+
+    module = sys.modules["vllm_sm121.kernels.paged_attention"]
+    cache = torch.zeros(3, 2 * 16 * nvfp4_full_dim(64), dtype=torch.uint8)
+    sc = Nvfp4Pages.view(cache, 2, 16, 64, torch.tensor([1.0])).scales.view(torch.uint8)
+    monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "1")
+    assert module.nvfp4_scale_words(64, sc, sc)
+    assert not module.nvfp4_scale_words(128, sc, sc)
+    assert not module.nvfp4_scale_words(64, sc[:, :, :, 1:], sc)  # rows no longer 4-byte aligned
+    monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "0")
+    assert not module.nvfp4_scale_words(64, sc, sc)
+    monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "2")
+    with pytest.raises(ValueError, match=module.ATTN_SCALE_WORDS_ENV):
+        module.nvfp4_scale_words(64, sc, sc)

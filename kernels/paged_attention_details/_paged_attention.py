@@ -154,6 +154,13 @@ def _e2m1_pairs_times_scale_f16(packed, scale_f16, E2M1_HW: tl.constexpr, NVFP4_
 
 
 @triton.jit
+def _scale_bytes(words, h2):
+    """The e4m3 block scale (as uint8) of element pair ``h2`` of a 64-wide nvfp4 head row from its
+    token's four scale bytes loaded as one int32 (little-endian: pair h2 uses byte h2 // 8)."""
+    return ((words >> ((h2 // 8) * 8)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
     """Index of the sequence whose query blocks contain program ``q_block_global``.
 
@@ -254,6 +261,7 @@ def _paged_attention_kernel(
     NVFP4_VEC: tl.constexpr,  # nvfp4: contiguous page-row loads (K bytes transposed in registers, scales broadcast) instead of gathers
     NVFP4_ASM: tl.constexpr,  # nvfp4, bit-trick decode: 4 bytes per inline-PTX block (not for the interpreter)
     NVFP4_WORDS: tl.constexpr,  # nvfp4: 32-bit word loads, e4m3-byte decode (inline PTX with NVFP4_ASM), V as V^T
+    NVFP4_SCALE_WORDS: tl.constexpr = False,  # nvfp4 gathers, HEAD_SIZE 64: each token's 4 block scales as one int32 load
     SEQ_CHUNK: tl.constexpr = 0,  # > 0: power of two >= num_seqs, the sequence lists loaded whole (_locate)
     FUSED_COMBINE: tl.constexpr = False,  # NUM_SPLITS > 1: the tile's last split merges (no combine launch)
     MIN_SPLIT_TILES: tl.constexpr = 1,  # NUM_SPLITS > 1: the fewest KV tiles a live split covers
@@ -407,8 +415,14 @@ def _paged_attention_kernel(
             else:
                 kq = tl.load(k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_h2[:, None],
                              mask=n_ok[None, :], other=0)
-                ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
-                             + slot[None, :] * (HEAD_SIZE // 16) + offs_h2[:, None] // 8, mask=n_ok[None, :], other=0)
+                if NVFP4_SCALE_WORDS:  # one int32 per token (a 4-byte load Triton can pipeline), bytes picked in registers
+                    ksw = tl.load((k_bscale_ptr + kv_head * stride_kb_h + page * stride_kb_b + slot * (HEAD_SIZE // 16))
+                                  .to(tl.pointer_type(tl.int32)), mask=n_ok, other=0)
+                    ks = _scale_bytes(ksw[None, :], offs_h2[:, None])
+                else:
+                    ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
+                                 + slot[None, :] * (HEAD_SIZE // 16) + offs_h2[:, None] // 8, mask=n_ok[None, :],
+                                 other=0)
                 ksf = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             k_lo, k_hi = _e2m1_pairs_times_scale_f16(kq, ksf, E2M1_HW, NVFP4_ASM)
             vq = tl.load(v_base + page[:, None] * stride_v_b + slot[:, None] * stride_v_t + offs_h2[None, :],
@@ -418,6 +432,10 @@ def _paged_attention_kernel(
                              + slot[:, None] * (HEAD_SIZE // 16) + offs_s16[None, :], mask=n_ok[:, None], other=0)
                 vsf = tl.reshape(tl.broadcast_to(vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
                                                  [TILE_N, HEAD_PAD // 16, 8]), [TILE_N, HEAD_PAD // 2])
+            elif NVFP4_SCALE_WORDS:
+                vsw = tl.load((v_bscale_ptr + kv_head * stride_vb_h + page * stride_vb_b + slot * (HEAD_SIZE // 16))
+                              .to(tl.pointer_type(tl.int32)), mask=n_ok, other=0)
+                vsf = _scale_bytes(vsw[:, None], offs_h2[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
             else:
                 vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
                              + slot[:, None] * (HEAD_SIZE // 16) + offs_h2[None, :] // 8, mask=n_ok[:, None], other=0)
