@@ -32,6 +32,7 @@ Limitations
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -87,20 +88,33 @@ NVFP4_ASM = True
 NVFP4_WORDS = False
 # nvfp4 gathers (the default page reads), head size 64: each token's four e4m3 block scales of K
 # and of V as one int32 load, the bytes picked in registers (_scale_bytes), instead of byte loads.
-# Why: a byte load is below cp.async's 4-byte minimum, so Triton's pipeline leaves the scale
-# loads in the loop body after the stage wait; the stop-32 ncu of the short-context decode (H200)
-# shows them (LDG.E.U8) issued after the DEPBAR that waits for the page data, i.e. one more
-# dependent DRAM round trip per tile. $VLLM_SM121_ATTN_SCALE_WORDS (read at call time) = 1 / 0
-# overrides this default. Needs 4-byte aligned scale rows (checked per call; else byte loads).
-NVFP4_SCALE_WORDS = False
+# Why: a byte load is below cp.async's 4-byte minimum, so Triton's pipeline left the scale loads in
+# the loop body after the stage wait (the stop-32 ncu of the short-context decode, H200: LDG.E.U8
+# issued after the DEPBAR that waits for the page data, one more dependent DRAM round trip per
+# tile), and their layout went through shared memory (sm_90a, the 120b full-layer decode loop:
+# 1240 -> 1044 instructions per iteration, STS 78 -> 22, LDS 72 -> 54). Timed at e62c454 on two
+# H200s of one machine (benchmarks/attention.py, tile (16, 128, 4, 3), us, off / on): full B=1
+# ctx 128 10.1 / 9.6, ctx 8k 32.9 / 28.5, B=8 ctx 32k 229.3 / 151.1; window-128 layers 10.0 / 9.6
+# (ctx 128) and 9.8 / 9.3 (ctx 8k); GPU kernel tests passed there (tests/test_fp4_kv.py
+# "scale-words", 16 passed). So it is the default for decode launches on every GPU family (plain
+# loads and shifts: nothing sm_90-only; sm_12x not timed). Prefill launches keep the byte loads
+# until timed. $VLLM_SM121_ATTN_SCALE_WORDS (read at call time): 1 = every launch, 0 = none.
+# Needs 4-byte aligned scale rows (checked per call; else byte loads).
+NVFP4_SCALE_WORDS = True  # (the decode default; tests monkeypatch it to pin a variant)
 ATTN_SCALE_WORDS_ENV = "VLLM_SM121_ATTN_SCALE_WORDS"
 
 
-def nvfp4_scale_words(head_size: int, *scales: torch.Tensor) -> bool:
-    """Whether the nvfp4 gathers load each token's block scales as one int32 (NVFP4_SCALE_WORDS)."""
-    on = V.env_int(ATTN_SCALE_WORDS_ENV, int(NVFP4_SCALE_WORDS))
-    if on not in (0, 1):
-        raise ValueError(f"${ATTN_SCALE_WORDS_ENV}={on}: supported: 0 (byte loads), 1 (one int32 per token)")
+def nvfp4_scale_words(head_size: int, *scales: torch.Tensor, kind: str = "decode") -> bool:
+    """Whether the nvfp4 gathers load each token's block scales as one int32 (NVFP4_SCALE_WORDS):
+    unset -> decode launches when NVFP4_SCALE_WORDS; 1 -> every launch; 0 -> none."""
+    raw = os.environ.get(ATTN_SCALE_WORDS_ENV, "").strip()
+    if raw:
+        on = V.env_int(ATTN_SCALE_WORDS_ENV, 0)
+        if on not in (0, 1):
+            raise ValueError(f"${ATTN_SCALE_WORDS_ENV}={on}: supported: 0 (byte loads), 1 (one int32 per token, "
+                             "every launch); unset: decode launches only")
+    else:
+        on = int(NVFP4_SCALE_WORDS and kind.startswith("decode"))
     return bool(on) and head_size == 64 and _word_aligned(*scales)
 # The split-KV merge inside the attention kernel ($VLLM_SM121_ATTN_FUSED_COMBINE, read at call time;
 # default 1, 0: the separate ``_combine_splits_kernel`` launch): the split program of each query
@@ -440,7 +454,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         NVFP4_ASM=kv_nvfp4 and NVFP4_ASM and family == _platform.SM90,
         NVFP4_WORDS=kv_nvfp4 and NVFP4_WORDS and family in (_platform.SM90, _platform.INTERPRETER)
         and _word_aligned(key_cache, value_cache),
-        NVFP4_SCALE_WORDS=kv_nvfp4 and not NVFP4_VEC and nvfp4_scale_words(head_size, k_bs, v_bs),
+        NVFP4_SCALE_WORDS=kv_nvfp4 and not NVFP4_VEC and nvfp4_scale_words(head_size, k_bs, v_bs, kind=kind),
         SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
         ONE_SPLIT_FINISH=fused and attn_one_split_finish(),
         MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw, **pdl_launch(q),

@@ -80,8 +80,8 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
     monkeypatch.setattr(module, "NVFP4_VEC", variant == "vec")
     monkeypatch.setattr(module, "NVFP4_ASM", variant in ("asm", "words", "words-fp16-q"))  # "words-triton": off
     monkeypatch.setattr(module, "NVFP4_WORDS", variant.startswith("words"))
-    monkeypatch.setattr(module, "NVFP4_SCALE_WORDS", variant.startswith("scale-words"))
-    monkeypatch.delenv(module.ATTN_SCALE_WORDS_ENV, raising=False)
+    # scale-words variants: the int32 scale loads in every launch (prefill too); the others: byte loads
+    monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "1" if variant.startswith("scale-words") else "0")
     if variant.startswith("scale-words"):
         monkeypatch.setattr(module, "NVFP4_ASM", True)
     from helpers import assert_close
@@ -119,8 +119,9 @@ def test_attention_reads_nvfp4_pages(device, kind, q_lens, seq_lens, window, spl
                           max_seq_len=max(seq_lens), scale=0.125, sliding_window=window, sinks=dev(sinks),
                           num_splits=splits)
     # the variant under test is the one that ran (its launcher check passes on these pages)
-    assert module.nvfp4_scale_words(d, kpd.scales.view(torch.uint8), vpd.scales.view(torch.uint8)) == \
-        variant.startswith("scale-words")
+    for launch_kind in ("decode_nvfp4", "prefill_nvfp4"):
+        assert module.nvfp4_scale_words(d, kpd.scales.view(torch.uint8), vpd.scales.view(torch.uint8),
+                                        kind=launch_kind) == variant.startswith("scale-words")
     assert_close(out.cpu(), ref, what=kind)
 
 
@@ -165,15 +166,22 @@ def test_power_of_two_global_scales_store_the_same_values():
 
 
 def test_scale_words_switch(monkeypatch):
-    """$VLLM_SM121_ATTN_SCALE_WORDS turns the int32 scale loads on and off, only for 64-wide heads and
-    4-byte aligned scale rows, and rejects other values by name."""
+    """The int32 scale loads: on for decode launches by default, $VLLM_SM121_ATTN_SCALE_WORDS=1 for
+    every launch and 0 for none, only for 64-wide heads and 4-byte aligned scale rows; other values
+    are rejected by name."""
     import sys
 
     module = sys.modules["vllm_sm121.kernels.paged_attention"]
     cache = torch.zeros(3, 2 * 16 * nvfp4_full_dim(64), dtype=torch.uint8)
     sc = Nvfp4Pages.view(cache, 2, 16, 64, torch.tensor([1.0])).scales.view(torch.uint8)
+    monkeypatch.delenv(module.ATTN_SCALE_WORDS_ENV, raising=False)
+    assert module.NVFP4_SCALE_WORDS  # the default: decode launches only
+    assert module.nvfp4_scale_words(64, sc, sc, kind="decode_nvfp4")
+    assert not module.nvfp4_scale_words(64, sc, sc, kind="prefill_nvfp4")
+    assert not module.nvfp4_scale_words(64, sc, sc, kind="prefill_sw_nvfp4")
     monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "1")
     assert module.nvfp4_scale_words(64, sc, sc)
+    assert module.nvfp4_scale_words(64, sc, sc, kind="prefill_nvfp4")
     assert not module.nvfp4_scale_words(128, sc, sc)
     assert not module.nvfp4_scale_words(64, sc[:, :, :, 1:], sc)  # rows no longer 4-byte aligned
     monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "0")
