@@ -283,6 +283,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-tile64", _all_on(),
            "sm121-all-moe with the nvfp4 decode attention on 64-token KV tiles", **OFF,
            env=(MOE_ON, ("VLLM_SM121_ATTN_TILE", "decode_nvfp4=16,64,4,3"))),
+    # A/B of stop 32's default: the nvfp4 pages' block scales as byte loads again
+    Config("sm121-all-moe-scalebytes", _all_on(),
+           "sm121-all-moe with the nvfp4 attention's block scales loaded as bytes (before stop 32)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_ATTN_SCALE_WORDS", "0"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

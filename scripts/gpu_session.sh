@@ -206,6 +206,19 @@ for step in "$@"; do
     wmtp) wm_test tp2 ;;  # the TP=2 case alone (2 GPUs)
     doctor) vllm-sm121 doctor; vllm-sm121 doctor --json > "$OUT/doctor.json" ;;
     eaglecost) python3 benchmarks/eagle_cost.py ${EAGLE_COST_ARGS:-} --out "$OUT/eagle_cost${EAGLE_COST_TAG:-}.json" 2>&1 | tee "$OUT/eagle_cost${EAGLE_COST_TAG:-}.log" | tail -n 30 ;;
+    e2erot) # paired A/B over every GPU of the machine: card i runs $E2E_BASE and the variants in $E2E_VARIANTS
+            # (space-separated) rotated by i (so no configuration always runs first), one e2e120b job per card;
+            # then benchmarks/ab_summary.py over the cards' JSONs (each variant's step time over the
+            # baseline's on the same card). E2E_ARGS as for e2e120b (exported: it reaches every job).
+            n=$(nvidia-smi -L | wc -l); cfgs=(${E2E_BASE:?export E2E_BASE, e.g. sm121-all-moe} ${E2E_VARIANTS:?export E2E_VARIANTS})
+            jobs=""; for ((i = 0; i < n; i++)); do
+              rot=(); for ((j = 0; j < ${#cfgs[@]}; j++)); do rot+=("${cfgs[$(((i + j) % ${#cfgs[@]}))]}"); done
+              list=$(IFS=,; echo "${rot[*]}"); jobs+="$i|E2E_CONFIGS=$list E2E_TAG=_rot$i|e2e120b ;; "
+            done
+            OUT="$OUT" SM121_NO_PIP=1 PAR="$jobs" bash "$0" "$part" par; r=$?
+            (cd "$OUT" && tar xzf par.tgz e2e_120b_rot*.json 2>/dev/null)
+            python3 benchmarks/ab_summary.py --baseline "$E2E_BASE" "$OUT"/e2e_120b_rot*.json --out "$OUT/ab_summary.json" 2>&1 | tail -n 20
+            rm -f "$OUT"/e2e_120b_rot*.json; (exit $r) ;;
     par) # PAR="GPUS|VAR=val ...|step ... ;; GPUS|..." : the jobs at once, each on its own GPUs
          # (CUDA_VISIBLE_DEVICES) with its VARs (tags keep result files apart), output in $OUT/par_<i>.log;
          # then everything else under $OUT goes into $OUT/par.tgz (few files come back from the machine)
