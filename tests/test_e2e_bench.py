@@ -246,7 +246,17 @@ def test_configs_table():
                  "sm121-all-moe-fused", "sm121-all-moe-f16x2", "sm121-all-moe-exact", "sm121-all-moe-rope",
                  "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit", "sm121-all-moe-l2o",
                  "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl", "sm121-all-moe-merge1",
-                 "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg")
+                 "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg", "sm121-all-moe-optins",
+                 "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes")
+    # stop 32: every timed opt-in together, smaller nvfp4 decode tiles, the byte scale loads again
+    assert dict(by["sm121-all-moe-optins"].env) == {**dict(by["sm121-all-moe-scaleldg"].env),
+                                                    **dict(by["sm121-all-moe-pdlkv"].env)}
+    assert dict(by["sm121-all-moe-tile32"].env)["VLLM_SM121_ATTN_TILE"] == "decode_nvfp4=16,32,4,2"
+    assert dict(by["sm121-all-moe-tile64"].env)["VLLM_SM121_ATTN_TILE"] == "decode_nvfp4=16,64,4,3"
+    assert dict(by["sm121-all-moe-scalebytes"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
+                                                        "VLLM_SM121_ATTN_SCALE_WORDS": "0"}
+    for name in ("sm121-all-moe-optins", "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes"):
+        assert by[name].llm_kwargs == by["sm121-all-moe"].llm_kwargs and name not in e2e.DEFAULT_CONFIGS
     assert dict(by["sm121-all-moe-f16group"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_MOE_FMA_F16X2": "2"}
     assert dict(by["sm121-all-moe-scaleldg"].env) == {**dict(by["sm121-all-moe-f16group"].env),
                                                       "VLLM_SM121_MOE_SCALE_LDG": "1"}
