@@ -216,7 +216,7 @@ for step in "$@"; do
               list=$(IFS=,; echo "${rot[*]}"); jobs+="$i|E2E_CONFIGS=$list E2E_TAG=_rot$i|e2e120b ;; "
             done
             OUT="$OUT" SM121_NO_PIP=1 PAR="$jobs" bash "$0" "$part" par; r=$?
-            (cd "$OUT" && tar xzf par.tgz e2e_120b_rot*.json 2>/dev/null)
+            (cd "$OUT" && tar xzf par.tgz --wildcards './e2e_120b_rot*.json')
             python3 benchmarks/ab_summary.py --baseline "$E2E_BASE" "$OUT"/e2e_120b_rot*.json --out "$OUT/ab_summary.json" 2>&1 | tail -n 20
             rm -f "$OUT"/e2e_120b_rot*.json; (exit $r) ;;
     par) # PAR="GPUS|VAR=val ...|step ... ;; GPUS|..." : the jobs at once, each on its own GPUs
