@@ -26,10 +26,13 @@ from pathlib import Path
 
 
 def run_steps(path: Path, point: str) -> dict[str, dict]:
-    """{config: {"median_ms", "min_based_ms", "iters"}} of one e2e JSON (every model in it)."""
+    """{config: {"median_ms", "min_based_ms", "iters"}} of one e2e JSON of one model."""
     data = json.loads(path.read_text())
     out: dict[str, dict] = {}
-    for model in data.get("models", []):
+    models = data.get("models", [])
+    if len(models) > 1:
+        raise ValueError(f"{path}: {len(models)} models in one file; pass one model's runs per file")
+    for model in models:
         for run in model.get("runs", []):
             pt = (run.get("points") or {}).get(point) or {}
             steps = pt.get("step_s") or []
@@ -62,11 +65,15 @@ def summarize(files: list[Path], baseline: str, point: str) -> dict:
             "baseline_ms": {"mean": statistics.fmean(base), "min": min(base), "max": max(base)}, "variants": table}
 
 
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def print_summary(s: dict) -> None:
     b = s["baseline"]
     print(f"point {s['point']}, baseline {b}: median per-iteration ms/step (min-based estimate in brackets)")
     for f, steps in s["per_file"].items():
-        cells = ", ".join(f"{c} {v['median_ms']:.3f} [{v['min_based_ms']:.3f}]" for c, v in steps.items())
+        cells = ", ".join(f"{c} {v['median_ms']:.3f} [{_ms(v['min_based_ms'])}]" for c, v in steps.items())
         print(f"  {Path(f).name}: {cells}")
     bm = s["baseline_ms"]
     print(f"{b}: mean {bm['mean']:.3f} ms/step over {len(s['per_file'])} files (min {bm['min']:.3f}, max {bm['max']:.3f})")

@@ -158,7 +158,9 @@ def attention_specs(family: str) -> list[Spec]:
     # The default decode launch of gpt-oss-120b's full layers in a graph captured at 4k: 64 splits
     # merged by the last split program of each tile (FUSED_COMBINE); bf16 and nvfp4 pages (the
     # family's default decode, inline PTX on sm_90 only).
-    # "-scale-words": nvfp4 with each token's block scales as one int32 load (NVFP4_SCALE_WORDS).
+    # nvfp4: ",scale-words" is the decode default since stop 32 (each token's block scales as one int32
+    # load, NVFP4_SCALE_WORDS); the unsuffixed nvfp4 spec is the byte-load form (before stop 32, and
+    # $VLLM_SM121_ATTN_SCALE_WORDS=0).
     for nvfp4, scale_words in ((False, False), (True, False), (True, True)):
         tile = _platform.attn_tile(family, "decode_nvfp4" if nvfp4 else "decode", 64)
         kv = "*u8" if nvfp4 else "*bf16"
@@ -177,7 +179,7 @@ def attention_specs(family: str) -> list[Spec]:
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         ))
     # the 120b default decode with the o_proj weight prefetched into L2 (VLLM_SM121_L2_PREFETCH=o)
-    base = specs[-2]  # (the nvfp4 default, not its scale-words variant)
+    base = specs[-1]  # (the nvfp4 default: its scale-words spec)
     specs.append(dataclasses.replace(base, name=base.name[:-1] + ",l2-prefetch]",
                                      constexprs=dict(base.constexprs, PF=True, PF_LANES=128, PF_LINE=128),
                                      ptr_types=dict(base.ptr_types, pf_ptr="*u8")))

@@ -210,12 +210,14 @@ for step in "$@"; do
             # (space-separated) rotated by i (so no configuration always runs first), one e2e120b job per card;
             # then benchmarks/ab_summary.py over the cards' JSONs (each variant's step time over the
             # baseline's on the same card). E2E_ARGS as for e2e120b (exported: it reaches every job).
-            n=$(nvidia-smi -L | wc -l); cfgs=(${E2E_BASE:?export E2E_BASE, e.g. sm121-all-moe} ${E2E_VARIANTS:?export E2E_VARIANTS})
+            # (other steps' files already in $OUT end up inside par.tgz too: run e2erot as a call's only step)
+            if [ -z "${E2E_BASE:-}" ] || [ -z "${E2E_VARIANTS:-}" ]; then echo "e2erot: export E2E_BASE and E2E_VARIANTS"; rc=2; continue; fi
+            n=$(nvidia-smi -L | grep -c "^GPU "); cfgs=($E2E_BASE $E2E_VARIANTS)
             jobs=""; for ((i = 0; i < n; i++)); do
               rot=(); for ((j = 0; j < ${#cfgs[@]}; j++)); do rot+=("${cfgs[$(((i + j) % ${#cfgs[@]}))]}"); done
               list=$(IFS=,; echo "${rot[*]}"); jobs+="$i|E2E_CONFIGS=$list E2E_TAG=_rot$i|e2e120b ;; "
             done
-            OUT="$OUT" SM121_NO_PIP=1 PAR="$jobs" bash "$0" "$part" par; r=$?
+            OUT="$OUT" SM121_NO_PIP=1 PAR="$jobs" PAR_TIMEOUT="${PAR_TIMEOUT:-560}" bash "$0" "$part" par; r=$?
             (cd "$OUT" && tar xzf par.tgz --wildcards './e2e_120b_rot*.json')
             python3 benchmarks/ab_summary.py --baseline "$E2E_BASE" "$OUT"/e2e_120b_rot*.json --out "$OUT/ab_summary.json" 2>&1 | tail -n 20
             rm -f "$OUT"/e2e_120b_rot*.json; (exit $r) ;;

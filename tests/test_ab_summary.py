@@ -50,3 +50,10 @@ def test_cli_prints_and_writes(tmp_path, capsys):
     assert ab_summary.main(["--baseline", "base", str(a), "--out", str(out)]) == 0
     assert "slower in 1 of 1" in capsys.readouterr().out
     assert json.loads(out.read_text())["variants"]["v"]["ratios"] == pytest.approx([1.2])
+
+
+def test_one_model_per_file(tmp_path):
+    p = tmp_path / "two.json"
+    p.write_text(json.dumps({"models": [{"runs": [_run("base", [2.0])]}, {"runs": [_run("base", [3.0])]}]}))
+    with pytest.raises(ValueError, match="2 models in one file"):
+        ab_summary.summarize([p], "base", "tg128")
