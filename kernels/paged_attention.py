@@ -32,7 +32,6 @@ Limitations
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -107,14 +106,12 @@ ATTN_SCALE_WORDS_ENV = "VLLM_SM121_ATTN_SCALE_WORDS"
 def nvfp4_scale_words(head_size: int, *scales: torch.Tensor, kind: str = "decode") -> bool:
     """Whether the nvfp4 gathers load each token's block scales as one int32 (NVFP4_SCALE_WORDS):
     unset -> decode launches when NVFP4_SCALE_WORDS; 1 -> every launch; 0 -> none."""
-    raw = os.environ.get(ATTN_SCALE_WORDS_ENV, "").strip()
-    if raw:
-        on = V.env_int(ATTN_SCALE_WORDS_ENV, 0)
-        if on not in (0, 1):
-            raise ValueError(f"${ATTN_SCALE_WORDS_ENV}={on}: supported: 0 (byte loads), 1 (one int32 per token, "
-                             "every launch); unset: decode launches only")
-    else:
+    on = V.env_int(ATTN_SCALE_WORDS_ENV, -1)  # -1: unset
+    if on == -1:
         on = int(NVFP4_SCALE_WORDS and kind.startswith("decode"))
+    elif on not in (0, 1):
+        raise ValueError(f"${ATTN_SCALE_WORDS_ENV}={on}: supported: 0 (byte loads), 1 (one int32 per token, "
+                         "every launch); unset: decode launches only")
     return bool(on) and head_size == 64 and _word_aligned(*scales)
 # The split-KV merge inside the attention kernel ($VLLM_SM121_ATTN_FUSED_COMBINE, read at call time;
 # default 1, 0: the separate ``_combine_splits_kernel`` launch): the split program of each query

@@ -154,6 +154,14 @@ def _e2m1_pairs_times_scale_f16(packed, scale_f16, E2M1_HW: tl.constexpr, NVFP4_
 
 
 @triton.jit
+def _token_scale_words(bscale_ptr, kv_head, stride_h, page, stride_b, slot, n_ok, HEAD_SIZE: tl.constexpr):
+    """[TILE_N] int32: each token's HEAD_SIZE // 16 = 4 e4m3 block scales (64-wide heads) as one load
+    (4 bytes: a load Triton can pipeline, unlike the byte loads)."""
+    return tl.load((bscale_ptr + kv_head * stride_h + page * stride_b + slot * (HEAD_SIZE // 16))
+                   .to(tl.pointer_type(tl.int32)), mask=n_ok, other=0)
+
+
+@triton.jit
 def _scale_bytes(words, h2):
     """The e4m3 block scale (as uint8) of element pair ``h2`` of a 64-wide nvfp4 head row from its
     token's four scale bytes loaded as one int32 (little-endian: pair h2 uses byte h2 // 8)."""
@@ -415,9 +423,9 @@ def _paged_attention_kernel(
             else:
                 kq = tl.load(k_base + page[None, :] * stride_k_b + slot[None, :] * stride_k_t + offs_h2[:, None],
                              mask=n_ok[None, :], other=0)
-                if NVFP4_SCALE_WORDS:  # one int32 per token (a 4-byte load Triton can pipeline), bytes picked in registers
-                    ksw = tl.load((k_bscale_ptr + kv_head * stride_kb_h + page * stride_kb_b + slot * (HEAD_SIZE // 16))
-                                  .to(tl.pointer_type(tl.int32)), mask=n_ok, other=0)
+                if NVFP4_SCALE_WORDS:  # one int32 per token, bytes picked in registers
+                    ksw = _token_scale_words(k_bscale_ptr, kv_head, stride_kb_h, page, stride_kb_b, slot, n_ok,
+                                             HEAD_SIZE)
                     ks = _scale_bytes(ksw[None, :], offs_h2[:, None])
                 else:
                     ks = tl.load(k_bscale_ptr + kv_head * stride_kb_h + page[None, :] * stride_kb_b
@@ -433,8 +441,7 @@ def _paged_attention_kernel(
                 vsf = tl.reshape(tl.broadcast_to(vs.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
                                                  [TILE_N, HEAD_PAD // 16, 8]), [TILE_N, HEAD_PAD // 2])
             elif NVFP4_SCALE_WORDS:
-                vsw = tl.load((v_bscale_ptr + kv_head * stride_vb_h + page * stride_vb_b + slot * (HEAD_SIZE // 16))
-                              .to(tl.pointer_type(tl.int32)), mask=n_ok, other=0)
+                vsw = _token_scale_words(v_bscale_ptr, kv_head, stride_vb_h, page, stride_vb_b, slot, n_ok, HEAD_SIZE)
                 vsf = _scale_bytes(vsw[:, None], offs_h2[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
             else:
                 vs = tl.load(v_bscale_ptr + kv_head * stride_vb_h + page[:, None] * stride_vb_b
