@@ -85,6 +85,7 @@ from .dense_details._dense import _dense_fp8_kernel
 from .dense_details._dense_fma import _dense_fp8_fma_kernel
 from .dense_details._dense_mmav import _dense_fp8_mmav_kernel
 from .moe import dequant_mxfp4_torch, split_counters
+from .next_norm import NEXT_NORM_CHUNK, NEXT_NORM_MAX_T, NextNormBuffers, normed_torch
 from .norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 from .nvfp4 import _e2m1_codes_torch
 
@@ -496,7 +497,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
+def _dense_fma(x, w, scale, bias, out, rope=None, kv=None, norm=None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     tiles = dense_fma_tiles(x, m, n)
@@ -519,7 +520,13 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None) -> torch.Tensor:
                      stride_ks_b=kp.scales.stride(0), stride_vd_b=vp.data.stride(0), stride_vs_b=vp.scales.stride(0),
                      KV_WRITE=True, Q_ROWS=extra["ROPE_ROWS"] - hkv * extra["HEAD"], KV_HEADS=hkv,
                      KV_BLOCK=kp.shape[2])
-    _dense_fp8_fma_kernel[(-(-n // tiles.rows),)](
+    grid = -(-n // tiles.rows)
+    if norm is not None:  # (NextNormBuffers, eps, residual out [m, K]): x is bufs.u[:m]
+        bufs, eps, res = norm
+        extra.update(ps_ptr=bufs.psum, norm_eps=float(eps), s_src_ptr=bufs.s, res_out_ptr=res,
+                     stride_res_out=res.stride(0), NORM=True, NP_PAD=V._next_pow2(k // NEXT_NORM_CHUNK),
+                     COPY_BLOCK=max(NEXT_NORM_CHUNK, V._next_pow2(-(-k // grid))))
+    _dense_fp8_fma_kernel[(grid,)](
         xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
         num_warps=tiles.num_warps, **extra, **V.pdl_launch(x))  # $VLLM_SM121_PDL: a programmatic dependent
@@ -559,7 +566,8 @@ def _rope_tiles_fit(tiles, rope_rows: int, head: int) -> bool:
 
 def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
-                          *, path: str = "auto", kv_write: tuple | None = None) -> torch.Tensor:
+                          *, path: str = "auto", kv_write: tuple | None = None, norm: tuple | None = None
+                          ) -> torch.Tensor:
     """``dense_fp8_linear`` followed by the NeoX rotary embedding of the first ``rope_rows`` outputs
     (gpt-oss's qkv_proj then ``rotary_emb(positions, q, k)``: q and k heads of ``head_size``, the
     rotation over the whole head, ``cos_sin_cache`` [max_position, head_size] = cos then sin halves).
@@ -603,7 +611,9 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         if m == 0:
             return out
         return _dense_fma(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size),
-                          kv=None if kv_write is None else (*kv_write[:2], kv_write[2][:m]))
+                          kv=None if kv_write is None else (*kv_write[:2], kv_write[2][:m]), norm=norm)
+    if norm is not None:  # (dense_fp8_linear_rope_norm calls with it on the FMA path only)
+        raise ValueError("norm: the carried input norm runs on the FMA path only")
     out = rope_neox_(dense_fp8_linear(x, w, scale, bias, path=path), positions, cos_sin_cache, rope_rows, head_size)
     if kv_write is not None and m:
         from .fp4_kv import fp4_kv_write
@@ -611,6 +621,34 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         kp, vp, slots = kv_write
         fp4_kv_write(*qkv_kv_heads(out, rope_rows, kp.shape[1], head_size), kp, vp, slots[:m])
     return out
+
+
+def dense_fp8_linear_rope_norm(bufs: NextNormBuffers, m: int, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                               scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                               cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int, *,
+                               path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``dense_fp8_linear_rope`` of the layer's input norm carried from the previous layer's FC2
+    (``kernels/next_norm.py``; m <= NEXT_NORM_MAX_T tokens, in ``bufs`` rows 0 .. m-1): returns (qkv
+    [m, N], the residual [m, H] = s). On the FMA path the GEMV reads ``u``, applies each token's
+    1 / rms in its epilogue and copies ``s``; elsewhere upstream's norm output is rebuilt from the
+    buffers (``normed_torch``) and projected."""
+    if not 0 <= m <= NEXT_NORM_MAX_T:
+        raise ValueError(f"the carried input norm takes up to {NEXT_NORM_MAX_T} tokens, got {m}")
+    h = bufs.s.shape[1]
+    if w.shape[-1] != h or norm_weight.shape != (h,):
+        raise ValueError(f"the carried input norm has hidden size {h}; the weight is {tuple(w.shape)} and the norm "
+                         f"weight {tuple(norm_weight.shape)}")
+    res = torch.empty(m, h, dtype=torch.bfloat16, device=bufs.s.device)
+    u = bufs.u[:m]
+    if path == "auto":
+        path = select_path(m, w.shape[0])
+    if path == "fma" and _rope_tiles_fit(dense_fma_tiles(u, m, w.shape[0]), rope_rows, head_size):
+        out = dense_fp8_linear_rope(u, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size, path="fma",
+                                    norm=(bufs, eps, res))
+        return out, res
+    res.copy_(bufs.s[:m])
+    y = normed_torch(bufs, m, norm_weight, eps)
+    return dense_fp8_linear_rope(y, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size, path=path), res
 
 
 def qkv_kv_heads(qkv: torch.Tensor, rope_rows: int, num_kv_heads: int, head_size: int):

@@ -80,6 +80,7 @@ from .moe_details._moe_fc2 import _moe_combine_kernel, _moe_fc2_kernel
 from .moe_details._moe_fma import _moe_fc1_swiglu_fma_kernel, _moe_fc2_fma_kernel
 from .moe_details._moe_grouped import _moe_fc1_grouped_kernel, _moe_fc2_grouped_kernel
 from .moe_details._moe_route import _moe_route_kernel
+from .next_norm import NEXT_NORM_CHUNK, NextNorm, next_norm_torch
 from .nvfp4 import E2M1_VALUES
 
 SWIGLU_ALPHA = 1.702
@@ -574,11 +575,12 @@ def fc2_split_k(i: int, block_g: int, want: int) -> tuple[int, int]:
 def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                         bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         tiles: FmaTiles | None = None, l2_next: torch.Tensor | None = None,
-                        l2_late: bool = False) -> torch.Tensor:
+                        l2_late: bool = False, next_norm: NextNorm | None = None) -> torch.Tensor:
     """``moe_fc2_combine`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and
     numbers): the FMA GEMV writes the fp32 partials per (token, slot), ``_moe_combine_kernel`` sums them.
     ``l2_next``: a contiguous tensor (the next layer's qkv weight) its programs prefetch into L2, first
-    thing or (``l2_late``) after their own weight stream (``l2_prefetch``; GPU only, results unchanged)."""
+    thing or (``l2_late``) after their own weight stream (``l2_prefetch``; GPU only, results unchanged).
+    ``next_norm``: the combine also writes the next layer's carried input norm (``kernels/next_norm.py``)."""
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     _check_fma_tokens(m)
     tiles = tiles or fma_tiles(h, m)
@@ -599,6 +601,15 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     pf, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_next, h)
     if pf_kw["PF"]:
         pf_kw["PF_LATE"] = l2_late
+    nn_kw = {}
+    if next_norm is not None:
+        next_norm.check(out)
+        nn_kw = dict(nn_res_ptr=next_norm.residual, nn_stride=next_norm.residual.stride(0), nn_w_ptr=next_norm.weight,
+                     nn_s_ptr=next_norm.bufs.s, nn_u_ptr=next_norm.bufs.u, nn_ps_ptr=next_norm.bufs.psum,
+                     NEXT_NORM=True)
+        if combine and rows % NEXT_NORM_CHUNK:  # (no tile table has such rows; an env tile might)
+            raise ValueError(f"next_norm: FC2 tiles of {rows} rows are not supported with the fused combine; "
+                             f"supported: multiples of {NEXT_NORM_CHUNK} rows")
     if m:
         w_words = w2.view(torch.int32)
         _moe_fc2_fma_kernel[(m * topk, n_tiles, split)](
@@ -608,12 +619,13 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
             BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
             SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(h), SCALE_LDG=scale_ldg(h),
-            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **pdl_top, **fma_maxnreg(h), **pf_kw)
+            COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **pdl_top, **fma_maxnreg(h), **pf_kw,
+            **(nn_kw if combine else {}))
     if m and not combine:
-        block = min(1024, triton.next_power_of_2(hidden))
+        block = max(NEXT_NORM_CHUNK, min(1024, triton.next_power_of_2(hidden)))
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,
-                                                      num_warps=4, **(pdl or V.pdl_launch(h)))
+                                                      num_warps=4, **(pdl or V.pdl_launch(h)), **nn_kw)
     return out
 
 
@@ -999,7 +1011,8 @@ def select_path(m: int) -> str:
 def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
               w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w2_bias: torch.Tensor, topk: int,
               x_scale: torch.Tensor | None = None, path: str = "auto",
-              expert_map: torch.Tensor | None = None, l2: L2Plan | None = None) -> torch.Tensor:
+              expert_map: torch.Tensor | None = None, l2: L2Plan | None = None,
+              next_norm: NextNorm | None = None) -> torch.Tensor:
     """gpt-oss routed experts: bf16 [M, H] = sum over the top-k experts of w_j * FFN_j(x).
 
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
@@ -1014,7 +1027,23 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     result is this rank's share, summed across ranks by the caller's all-reduce.
 
     ``l2``: L2 prefetches of the one-chunk FMA path (``L2Plan``; ignored by the other paths).
+
+    ``next_norm`` (at most NEXT_NORM_MAX_T tokens): also writes the next layer's carried input norm
+    of ``out + next_norm.residual`` (``kernels/next_norm.py``): in FC2's combine on the FMA path,
+    else by ``next_norm_torch`` after the block.
     """
+    out, carried = _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk, x_scale, path,
+                              expert_map, l2, next_norm)
+    if next_norm is not None and not carried:
+        next_norm.check(out)
+        if out.shape[0]:
+            next_norm_torch(out, next_norm)
+    return out
+
+
+def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk, x_scale, path, expert_map,
+               l2, next_norm) -> tuple[torch.Tensor, bool]:
+    """``moe_block``'s output and whether FC2's combine wrote ``next_norm``."""
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
     m = x.shape[0]
@@ -1040,15 +1069,16 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
                 h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles,
                                                 route=(router_logits, expert_map, topk_w) if fuse else None,
                                                 l2_w2=(w2, w2_scale) if pf.w2 else None, l2_late=pf.w2_late)
+                nn = next_norm if m <= FMA_KERNEL_MAX_TOKENS else None  # (one chunk)
                 outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles,
-                                                l2_next=pf.next_weight, l2_late=pf.next_late))
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+                                                l2_next=pf.next_weight, l2_late=pf.next_late, next_norm=nn))
+            return (outs[0], nn is not None) if len(outs) == 1 else (torch.cat(outs), False)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
-        return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w)
+        return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w), False
     tiles = grouped_tiles(x, m, topk, w13.shape[0])  # one choice for moe_align and both GEMMs
     align = moe_align(topk_ids, w13.shape[0], tiles.block_m) if m else None
     h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles)
-    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles)
+    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles), False
 
 
 def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,

@@ -37,6 +37,7 @@ from .._sync import last_to_arrive
 from ..moe_details._mx import pdl_wait_then_release
 from ..fp4_kv_details._fp4_kv import nvfp4_store_slot
 from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
+from ..norm_mxfp8_details._next_norm import copy_rows, inv_rms
 
 BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
 # Activations are multiplied by 2**X_EXP before the products (exact): the decoded weights carry
@@ -175,6 +176,21 @@ def _kv_head_to_nvfp4(out_ptr, stride_om, head_idx, slot_ptr, k_data_ptr, k_scal
                          KV_BLOCK)  # a padded token (slot -1) stores nothing
 
 
+@triton.jit
+def _norm_scales(ps_ptr, eps, scale, K: tl.constexpr, NT: tl.constexpr, NP_PAD: tl.constexpr):
+    """NORM: the epilogue scale of tokens 0..NT-1 (``scale`` past NT): ``scale`` times the token's
+    1 / rms from the carried sums of squares."""
+    s0 = scale * inv_rms(ps_ptr, 0, eps, K, NP_PAD)
+    s1, s2, s3 = scale, scale, scale
+    if NT > 1:
+        s1 = scale * inv_rms(ps_ptr, 1, eps, K, NP_PAD)
+    if NT > 2:
+        s2 = scale * inv_rms(ps_ptr, 2, eps, K, NP_PAD)
+    if NT > 3:
+        s3 = scale * inv_rms(ps_ptr, 3, eps, K, NP_PAD)
+    return s0, s1, s2, s3
+
+
 @triton.jit(launch_metadata=_launch_metadata)
 def _dense_fp8_fma_kernel(
     x_ptr,  # [NT, K / 4] int64: bf16 activations viewed as 8-byte words, row stride stride_xm (words)
@@ -215,6 +231,16 @@ def _dense_fp8_fma_kernel(
     KV_HEADS: tl.constexpr = 1,
     KV_BLOCK: tl.constexpr = 16,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (opt-in, kernels/dense.py)
+    # NORM: the activations are the carried input norm's u = bf16(s * w) (kernels/next_norm.py); each token's
+    # sums are multiplied by 1 / sqrt(sum(psum[t]) / K + eps), and s is copied to res_out (the next residual)
+    ps_ptr=None,  # [>= NT, K / 16] fp32 sums of s**2 per 16 columns
+    norm_eps=0.0,
+    s_src_ptr=None,  # [>= NT, K] bf16: s
+    res_out_ptr=None,  # [NT, K] bf16 out, row stride stride_res_out
+    stride_res_out=0,
+    NORM: tl.constexpr = False,
+    NP_PAD: tl.constexpr = 1,  # next power of two >= K / 16
+    COPY_BLOCK: tl.constexpr = 16,  # columns of s each of the first cdiv(K, COPY_BLOCK) programs copies
 ):
     KW: tl.constexpr = K // 4
     if ROPE:
@@ -240,6 +266,9 @@ def _dense_fp8_fma_kernel(
     if ROPE and not PDL:  # the rotation factors too, before the loop (positions, then the cache: off the weights' path)
         c0, c1, c2, c3, sn0, sn1, sn2, sn3 = _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, rot_j, rot_sign, scale,
                                                               HEAD, NT)
+    s0, s1, s2, s3 = scale, scale, scale, scale  # each token's epilogue scale (NORM: times its 1 / rms)
+    if NORM and not PDL:
+        s0, s1, s2, s3 = _norm_scales(ps_ptr, norm_eps, scale, K, NT, NP_PAD)
     k_start = 0
     if PDL:  # the first K step's weights are in flight before the wait for the activations' producer
         w = tl.load(w_base + offs_c[None, :], mask=(offs_c < KW)[None, :], other=0)
@@ -247,6 +276,8 @@ def _dense_fp8_fma_kernel(
         if ROPE:  # positions: written by an earlier kernel, read after the wait
             c0, c1, c2, c3, sn0, sn1, sn2, sn3 = _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, rot_j, rot_sign, scale,
                                                                   HEAD, NT)
+        if NORM:
+            s0, s1, s2, s3 = _norm_scales(ps_ptr, norm_eps, scale, K, NT, NP_PAD)
         acc0, acc1, acc2, acc3 = _k_step(w, 0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
                                          BLOCK_KW)
         k_start = BLOCK_KW
@@ -255,13 +286,15 @@ def _dense_fp8_fma_kernel(
         w = tl.load(w_base + offs_w[None, :], mask=(offs_w < KW)[None, :], other=0)
         acc0, acc1, acc2, acc3 = _k_step(w, k0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
                                          BLOCK_KW)
-    _epilogue(acc0, scale, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS, c0, sn0, ROPE, BLOCK_R)
+    _epilogue(acc0, s0, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS, c0, sn0, ROPE, BLOCK_R)
     if NT > 1:
-        _epilogue(acc1, scale, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS, c1, sn1, ROPE, BLOCK_R)
+        _epilogue(acc1, s1, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS, c1, sn1, ROPE, BLOCK_R)
     if NT > 2:
-        _epilogue(acc2, scale, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS, c2, sn2, ROPE, BLOCK_R)
+        _epilogue(acc2, s2, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS, c2, sn2, ROPE, BLOCK_R)
     if NT > 3:
-        _epilogue(acc3, scale, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS, c3, sn3, ROPE, BLOCK_R)
+        _epilogue(acc3, s3, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS, c3, sn3, ROPE, BLOCK_R)
+    if NORM:  # the next residual, by the first programs (off the weights' path: after the loop)
+        copy_rows(s_src_ptr, res_out_ptr, stride_res_out, NT, K, COPY_BLOCK)
     if KV_WRITE:  # a program's rows lie inside one head (HEAD is a multiple of BLOCK_R)
         head_idx = tl.program_id(0) * BLOCK_R // HEAD - Q_ROWS // HEAD
         if (head_idx >= 0) & (head_idx < 2 * KV_HEADS):

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache_details._codecs import to_bf16_rne
+from ..norm_mxfp8_details._next_norm import next_norm_store
 from ._mx import mx_dot_wa, pdl_wait_then_release, routed_tokens
 
 
@@ -79,6 +80,15 @@ def _moe_combine_kernel(
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,  # a programmatic dependent of the FC2 launch (the FMA path, opt-in)
+    # NEXT_NORM: the next layer's input norm carried into its qkv GEMV (kernels/next_norm.py), as in
+    # _moe_fma._combine_when_last
+    nn_res_ptr=None,
+    nn_stride=0,
+    nn_w_ptr=None,
+    nn_s_ptr=None,
+    nn_u_ptr=None,
+    nn_ps_ptr=None,
+    NEXT_NORM: tl.constexpr = False,
 ):
     if PDL:
         pdl_wait_then_release()
@@ -88,4 +98,8 @@ def _moe_combine_kernel(
     out = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         out += tl.load(part_ptr + (token * TOPK + j) * H + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + token * H + offs, to_bf16_rne(out), mask=ok)
+    o = to_bf16_rne(out)
+    tl.store(out_ptr + token * H + offs, o, mask=ok)
+    if NEXT_NORM:
+        next_norm_store(o.to(tl.float32), token, True, tl.program_id(1) * BLOCK, nn_res_ptr, nn_stride, nn_w_ptr,
+                        nn_s_ptr, nn_u_ptr, nn_ps_ptr, H, BLOCK)

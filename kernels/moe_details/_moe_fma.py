@@ -56,6 +56,7 @@ import triton.language as tl
 from .._prefetch import prefetch_l2, prefetch_l2_grid
 from .._sync import last_to_arrive as _last_to_arrive
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, to_bf16_rne
+from ..norm_mxfp8_details._next_norm import next_norm_store
 from ._moe_route import route_rows
 from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens, routed_tokens_of
 
@@ -547,11 +548,13 @@ def _hit_row(hit, offs_t, tok):
 
 @triton.jit
 def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLIT: tl.constexpr, NT: tl.constexpr,
-                       BLOCK_R: tl.constexpr):
+                       BLOCK_R: tl.constexpr, nn_res_ptr=None, nn_stride=0, nn_w_ptr=None, nn_s_ptr=None,
+                       nn_u_ptr=None, nn_ps_ptr=None, NEXT_NORM: tl.constexpr = False):
     """The combine without its launch: every program of row tile program_id(1) arrives here once
     (after storing its partials; a duplicate slot's program at once). The one that arrives last
     (``_last_to_arrive`` of M * TOPK_SPLIT) sums each token's TOPK_SPLIT partial rows in order from
-    zero, exactly as ``_moe_combine_kernel``, into bf16 ``out`` [M, H]."""
+    zero, exactly as ``_moe_combine_kernel``, into bf16 ``out`` [M, H]; with NEXT_NORM it also
+    stores the next layer's carried input norm of those columns (``next_norm_store``)."""
     tile = tl.program_id(1)
     if _last_to_arrive(cnt_ptr, tile, M * TOPK_SPLIT):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -560,7 +563,11 @@ def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLI
             acc = tl.zeros([BLOCK_R], dtype=tl.float32)
             for j in tl.static_range(TOPK_SPLIT):
                 acc += tl.load(part_ptr + (t * TOPK_SPLIT + j) * H + rows, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t * H + rows, to_bf16_rne(acc), mask=ok)
+            o = to_bf16_rne(acc)
+            tl.store(out_ptr + t * H + rows, o, mask=ok)
+            if NEXT_NORM:
+                next_norm_store(o.to(tl.float32), t, t < M, tile * BLOCK_R, nn_res_ptr, nn_stride, nn_w_ptr, nn_s_ptr,
+                                nn_u_ptr, nn_ps_ptr, H, BLOCK_R)
 
 
 @triton.jit
@@ -603,6 +610,14 @@ def _moe_fc2_fma_kernel(
     PF_LATE: tl.constexpr = False,  # ... after the program's own weight stream instead of first thing
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
+    # NEXT_NORM (with COMBINE): the next layer's input norm carried into its qkv GEMV (kernels/next_norm.py)
+    nn_res_ptr=None,  # [M, H] bf16 the block's residual, row stride nn_stride
+    nn_stride=0,
+    nn_w_ptr=None,  # [H] the next layer's input-norm weight
+    nn_s_ptr=None,  # [>= M, H] bf16 out: the next residual
+    nn_u_ptr=None,  # [>= M, H] bf16 out: bf16(s * w)
+    nn_ps_ptr=None,  # [>= M, H / 16] fp32 out: sums of s**2 per 16 columns
+    NEXT_NORM: tl.constexpr = False,
 ):
     if PDL_TOP:
         pdl_wait_then_release()
@@ -616,7 +631,8 @@ def _moe_fc2_fma_kernel(
         if PF and PF_LATE:
             prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
         if COMBINE:  # a duplicate slot still counts itself in on its row tile
-            _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R)
+            _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R, nn_res_ptr, nn_stride,
+                               nn_w_ptr, nn_s_ptr, nn_u_ptr, nn_ps_ptr, NEXT_NORM)
         return
     if SPLIT == 1:
         split = 0
@@ -660,4 +676,5 @@ def _moe_fc2_fma_kernel(
         _fc2_epilogue(y3 + bias, _routing_weight(topk_w_ptr, t3, hit3, offs_j, TOPK), t3, s3, hit3, offs_j, part_ptr,
                       rows, row_ok & u3, split, H, TOPK, SPLIT)
     if COMBINE:
-        _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R)
+        _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R, nn_res_ptr, nn_stride,
+                               nn_w_ptr, nn_s_ptr, nn_u_ptr, nn_ps_ptr, NEXT_NORM)
