@@ -287,6 +287,14 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-scalebytes", _all_on(),
            "sm121-all-moe with the nvfp4 attention's block scales loaded as bytes (before stop 32)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_ATTN_SCALE_WORDS", "0"))),
+    # Stop 33: the next layer's input add + RMSNorm carried from FC2's combine into the qkv GEMV, alone
+    # and with f16group
+    Config("sm121-all-moe-normqkv", _all_on(),
+           "sm121-all-moe + the input norm carried from FC2 into the qkv GEMV (opt-in)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_NORM_IN_QKV", "1"))),
+    Config("sm121-all-moe-normf16", _all_on(),
+           "sm121-all-moe + the carried input norm + f16group (opt-ins)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_NORM_IN_QKV", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "2"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

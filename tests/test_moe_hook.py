@@ -558,3 +558,111 @@ def test_block_with_kv_in_qkv_traces_into_one_graph_and_fills_the_cache(env, mon
     assert "vllm.unified_kv_cache_update" not in targets
     assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
     assert written.count_nonzero() > 0 and torch.equal(cache, written)
+
+
+def _linked_pair(env, seed: int):
+    """Two consecutive tiny blocks (layers n, n + 1 of one config) with FP8 qkv + rotation, linked by
+    ``carry.link`` as the constructor links them under $VLLM_SM121_NORM_IN_QKV=1."""
+    from vllm_sm121.moe import carry
+
+    pair = []
+    for j in range(2):
+        block = build_block(env, "mxfp8", seed=seed + j)
+        block.attn = _Fp8Attention(env, seed + j, lambda q, k, v: q * 2 + torch.cat((k, v), dim=-1).sum(-1, keepdim=True))
+        block.sm121_rope_in_qkv = True
+        assert hook.norm_in_qkv_unsupported_reason(block) is None
+        pair.append(block)
+    a, b = pair
+    assert carry.link(a, env.cfgs["mxfp8"], "model.layers.900") == ""  # no layer 899
+    key = carry.link(b, env.cfgs["mxfp8"], "model.layers.901")
+    b.sm121_norm_in_key = key
+    assert key == "model.layers.901.input_layernorm" and a.sm121_norm_out_key == key and b.sm121_norm_out_key == ""
+    return a, b
+
+
+@pytest.mark.parametrize("m", [1, 3, 6])  # carried up to NEXT_NORM_MAX_T = 4 tokens; the op's own norm above
+def test_input_norm_carried_from_fc2_into_the_next_qkv(env, m):
+    """Two linked blocks: block n's FC2 carries block n+1's input add + RMSNorm into its qkv op. Block
+    n's outputs are unchanged; block n+1's new residual is upstream's bit for bit and its output within
+    bf16 rounding-placement of the unlinked pair's (upstream's input norm, then the same GEMV)."""
+    a, b = _linked_pair(env, 40 + m)
+    x, _, res0 = _inputs(m, seed=30 + m)
+    pos = torch.arange(m) * 37
+    with torch.no_grad():
+        xa, ra = a(x, pos, res0.clone())
+        out, r = b(xa, pos, ra)
+        key = b.sm121_norm_in_key
+        a.sm121_norm_out_key = b.sm121_norm_in_key = ""  # unlinked: upstream's boundary
+        xa2, ra2 = a(x, pos, res0.clone())
+        out2, r2 = b(xa2, pos, ra2)
+        a.sm121_norm_out_key = b.sm121_norm_in_key = key
+    assert torch.equal(xa, xa2) and torch.equal(ra, ra2)
+    if m <= 4:  # what FC2 carried: block n+1's new residual as upstream's add rounds it
+        from vllm_sm121.moe import carry
+
+        assert torch.equal(carry.buffers(key, TINY["hidden_size"], x.device).s[:m], (xa.float() + ra.float()).bfloat16())
+    # r and out both follow block n+1's attention, whose qkv input moved by bf16 rounding placement
+    print(f"\nM={m}: carried vs upstream boundary {rel_l2(out, out2):.2e}, residual {rel_l2(r, r2):.2e}")
+    assert rel_l2(out, out2) < 2e-2 and rel_l2(r, r2) < 2e-2, (rel_l2(out, out2), rel_l2(r, r2))
+
+
+def test_linked_pair_traces_into_one_graph(env):
+    """The linked pair compiles into one Dynamo graph (the link is constant attributes) holding the
+    MoE op and ``sm121::dense_fp8_linear_rope_norm``, with the eager numbers."""
+    a, b = _linked_pair(env, 70)
+
+    def pair(x, pos, res):
+        x, res = a(x, pos, res)
+        return b(x, pos, res)
+
+    x, _, res0 = _inputs(2, seed=71)
+    pos = torch.tensor([3, 250])
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_c, r_c = torch.compile(pair, backend=capture, fullgraph=True)(x, pos, res0.clone())
+        out_e, r_e = pair(x, pos, res0.clone())
+    targets = [str(nd.target) for nd in graphs[0].graph.nodes if nd.op == "call_function"]
+    assert any("dense_fp8_linear_rope_norm" in t for t in targets), targets
+    assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
+
+
+def test_norm_in_qkv_switch_and_reasons(env, monkeypatch):
+    """Opt-in ($VLLM_SM121_NORM_IN_QKV=1, a traced choice); refused with the reason under tensor or
+    expert parallelism, where the all-reduce separates FC2 from the add."""
+    from vllm_sm121 import config as C
+
+    monkeypatch.delenv(C.NORM_IN_QKV_ENV, raising=False)
+    assert C.traced_env_choices()["norm_in_qkv"] is False
+    monkeypatch.setenv(C.NORM_IN_QKV_ENV, "1")
+    assert C.traced_env_choices()["norm_in_qkv"] is True
+    block = build_block(env, "mxfp8")
+    assert block.sm121_norm_in_key == "" and block.sm121_norm_out_key == ""  # recorded choice: off
+    par = block.mlp.experts.routed_experts.moe_config.moe_parallel_config
+    monkeypatch.setattr(par, "tp_size", 2)
+    assert "all-reduce" in hook.norm_in_qkv_unsupported_reason(block)
+
+
+def test_opcheck_qkv_norm_op():
+    """``sm121::dense_fp8_linear_rope_norm``: schema and fake implementation on the unlinked path
+    (the op's own norm; the carried path reads registered buffers)."""
+    from vllm_sm121.dense import method  # registers the op
+    from vllm_sm121.kernels import dense as D
+
+    assert method is not None
+    g = torch.Generator().manual_seed(8)
+    q8, s8 = D.fp8_per_channel_quantize((torch.randn(256, 64, generator=g) * 0.3).bfloat16())
+    bias = torch.randn(256, generator=g).bfloat16()
+    cache = torch.rand(512, 64, generator=g)
+    for t in (2, 7):
+        x = torch.randn(t, 64, generator=g).bfloat16()
+        res = torch.randn(t, 64, generator=g).bfloat16()
+        pos = torch.randint(0, 512, (t,), generator=g)
+        w = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+        torch.library.opcheck(torch.ops.sm121.dense_fp8_linear_rope_norm.default,
+                              (x, res, w, 1e-5, q8, s8, bias, pos, cache, 192, 64, ""), test_utils=("test_faketensor",))

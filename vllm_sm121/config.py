@@ -124,6 +124,10 @@ ROPE_IN_QKV_ENV = "VLLM_SM121_ROPE_IN_QKV"
 # With the rotation there and an nvfp4 KV cache on SM121: the qkv GEMV also writes the k / v heads to
 # the cache (no KV-write launch); opt-in (1): GPU-tested, no end-to-end gain measured (stop 28)
 KV_IN_QKV_ENV = "VLLM_SM121_KV_IN_QKV"
+# With the rotation there (and not the KV write), on one rank: the next layer's input add + RMSNorm is
+# carried from FC2's combine into that GEMV at decode (vllm_sm121/moe/carry.py, kernels/next_norm.py);
+# opt-in (1) until it has run end to end
+NORM_IN_QKV_ENV = "VLLM_SM121_NORM_IN_QKV"
 # L2 prefetches of the next GEMV's weights (kernels/l2_prefetch.py): the MoE op's prefetch key is traced
 L2_PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
 
@@ -135,7 +139,7 @@ def _env_flag(name: str, default: bool) -> bool:
 def traced_env_choices() -> dict[str, Any]:
     """The environment's choices that change the traced gpt-oss graph (read now)."""
     return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True),
-            "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False),
+            "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False), "norm_in_qkv": _env_flag(NORM_IN_QKV_ENV, False),
             "l2_prefetch": _l2_prefetch_choice()}
 
 

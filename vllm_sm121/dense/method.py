@@ -99,6 +99,36 @@ def _dense_fp8_linear_rope_kv_fake(x: torch.Tensor, w: torch.Tensor, scale: torc
             torch.empty(0, device=x.device, dtype=torch.uint8))
 
 
+def _dense_fp8_linear_rope_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                                positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
+                                norm_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's ``input_layernorm(x, residual)`` then ``_dense_fp8_linear_rope``: returns (qkv, the
+    new residual). Up to NEXT_NORM_MAX_T tokens the norm is the one the previous layer's FC2 carried
+    under ``norm_key`` (``vllm_sm121/moe/carry.py``; x and residual are then not read); else the
+    plugin's add + RMSNorm kernel runs first (bf16 y; its MXFP8 output is not used)."""
+    from vllm_sm121.kernels import dense
+    from vllm_sm121.kernels.next_norm import NEXT_NORM_MAX_T
+    from vllm_sm121.kernels.norm_mxfp8 import fused_add_rmsnorm_mxfp8
+
+    m = x.shape[0]
+    if norm_key and 0 < m <= NEXT_NORM_MAX_T:
+        from vllm_sm121.moe import carry
+
+        return dense.dense_fp8_linear_rope_norm(carry.buffers(norm_key, x.shape[1], x.device), m, norm_weight, eps, w,
+                                                scale, bias, positions, cos_sin_cache, rope_rows, head_size)
+    res = torch.empty_like(x)
+    y, _, _ = fused_add_rmsnorm_mxfp8(x, residual, norm_weight, eps, residual_out=res)
+    return dense.dense_fp8_linear_rope(y, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size), res
+
+
+def _dense_fp8_linear_rope_norm_fake(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                     w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int,
+                                     head_size: int, norm_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device), torch.empty_like(x)
+
+
 def _register_ops() -> None:
     from vllm_sm121.ops import register_op
 
@@ -107,6 +137,8 @@ def _register_ops() -> None:
     # writes the KV cache as a side effect, as vLLM's own unified_kv_cache_update (mutates nothing
     # it is passed; the returned dummy orders the attention op after it)
     register_op("dense_fp8_linear_rope_kv", _dense_fp8_linear_rope_kv, _dense_fp8_linear_rope_kv_fake)
+    # reads the buffers the previous layer's MoE op wrote under norm_key (ordered after it through x, its output)
+    register_op("dense_fp8_linear_rope_norm", _dense_fp8_linear_rope_norm, _dense_fp8_linear_rope_norm_fake)
 
 
 _register_ops()  # once per process (module import)
@@ -230,3 +262,17 @@ def dense_quant_method_for(layer: torch.nn.Module, prefix: str, sm121_cfg):
     if isinstance(layer, LinearBase) and name in LINEAR_LAYERS:
         return Sm121DenseFp8LinearMethod()
     return None
+
+
+def dense_fp8_linear_rope_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                               w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                               cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
+                               norm_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qkv bf16 [T, N], new residual bf16 [T, K]): upstream's ``input_layernorm(x, residual)`` and
+    then ``dense_fp8_linear_rope`` of its output, with the norm carried from the previous layer's
+    FC2 (``norm_key``) for up to NEXT_NORM_MAX_T tokens."""
+    x = x.contiguous()
+    residual = residual.contiguous()
+    return torch.ops.sm121.dense_fp8_linear_rope_norm(x, residual, norm_weight, eps, w, scale, bias,
+                                                      positions.contiguous(), cos_sin_cache, rope_rows, head_size,
+                                                      norm_key)

@@ -102,18 +102,24 @@ def _add_rmsnorm_mxfp8_router_fake(x: torch.Tensor, residual: torch.Tensor, weig
 def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                        w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                        w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None,
-                       l2_key: str = "") -> torch.Tensor:
+                       l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "") -> torch.Tensor:
     from vllm_sm121 import l2_plan
     from vllm_sm121.kernels.moe import moe_block
+    from vllm_sm121.kernels.next_norm import NEXT_NORM_MAX_T, NextNorm
 
+    nn = None
+    if norm_key and residual is not None and 0 < x.shape[0] <= NEXT_NORM_MAX_T:  # (vllm_sm121/moe/carry.py)
+        from . import carry
+
+        nn = NextNorm(residual, carry.norm_weight(norm_key), carry.buffers(norm_key, w2.shape[1], x.device))
     return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
-                     x_scale=x_scale, expert_map=expert_map, l2=l2_plan.moe_plan(l2_key))
+                     x_scale=x_scale, expert_map=expert_map, l2=l2_plan.moe_plan(l2_key), next_norm=nn)
 
 
 def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                             w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                             w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None,
-                            l2_key: str = "") -> torch.Tensor:
+                            l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "") -> torch.Tensor:
     return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
 
 
@@ -141,12 +147,15 @@ def add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weight: to
 
 
 def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
-                      expert_map: torch.Tensor | None = None, l2_key: str = "") -> torch.Tensor:
+                      expert_map: torch.Tensor | None = None, l2_key: str = "", residual: torch.Tensor | None = None,
+                      norm_key: str = "") -> torch.Tensor:
     """bf16 [T, H]: gpt-oss routed experts on MXFP8 activations (``kernels.moe.moe_block``); under
     expert parallelism this rank's share (``expert_map`` int32 [E], global -> local or -1). ``l2_key``:
-    the block's key in ``vllm_sm121.l2_plan`` (its L2 prefetches; "" none)."""
+    the block's key in ``vllm_sm121.l2_plan`` (its L2 prefetches; "" none). ``norm_key`` (with the
+    block's ``residual``): the next layer's carried input norm (``vllm_sm121/moe/carry.py``) is
+    written too, for up to NEXT_NORM_MAX_T tokens."""
     return torch.ops.sm121.gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
-                                             w2_bias, topk, expert_map, l2_key)
+                                             w2_bias, topk, expert_map, l2_key, residual, norm_key)
 
 
 # ---- the block -------------------------------------------------------------------------------
@@ -159,10 +168,11 @@ def routed_experts_of(mlp: torch.nn.Module):
 
 def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
                        mlp: torch.nn.Module, router_in_norm: bool = False,
-                       l2_key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                       l2_key: str = "", norm_out_key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's ``post_attention_layernorm(h, residual)`` + ``mlp(h)``, with the norm emitting MXFP8
     for the experts (and, ``router_in_norm``, the router's logits): returns (MoE output bf16 [T, H],
-    the updated residual)."""
+    the updated residual). ``norm_out_key``: FC2 also writes the next layer's carried input norm
+    (one rank only: no all-reduce follows)."""
     if router_in_norm:
         residual, xq, xs, router_logits = add_rmsnorm_mxfp8_router(
             hidden_states, residual, norm.weight, norm.variance_epsilon, mlp.router.weight, mlp.router.bias)
@@ -171,7 +181,8 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
         router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
     out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
-                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e), l2_key)
+                            e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e), l2_key,
+                            residual if norm_out_key else None, norm_out_key)
     par = e.moe_config.moe_parallel_config
     if par.tp_size > 1 or par.ep_size > 1:  # each rank holds a share of the experts' sum
         from vllm.distributed import tensor_model_parallel_all_reduce
@@ -306,17 +317,50 @@ def kv_in_qkv_unsupported_reason(attn: torch.nn.Module, vllm_config) -> str | No
     return None
 
 
+def norm_in_qkv_unsupported_reason(block: torch.nn.Module) -> str | None:
+    """Why this block cannot take part in carrying the input norm from the previous layer's FC2 into
+    its qkv GEMV (None: it can). Asked where the rotation runs in the GEMV and the KV write does not."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from vllm_sm121.kernels.next_norm import NEXT_NORM_CHUNK
+
+    norm = block.input_layernorm
+    par = routed_experts_of(block.mlp).moe_config.moe_parallel_config
+    checks = (
+        (par.tp_size != 1 or par.ep_size != 1,
+         f"tensor/expert parallel MoE (tp={par.tp_size}, ep={par.ep_size}): the all-reduce comes between FC2 and the add"),
+        (not isinstance(norm, RMSNorm) or type(norm).forward_native is not RMSNorm.forward_native
+         or type(norm).forward_cuda is not RMSNorm.forward_cuda or not norm.has_weight
+         or norm.variance_size_override is not None, "input norm is not upstream's weighted RMSNorm"),
+        (norm.weight.shape[0] % NEXT_NORM_CHUNK, f"hidden size not a multiple of {NEXT_NORM_CHUNK}"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
 def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor,
-                        kv_in_qkv: bool = False) -> torch.Tensor:
+                        kv_in_qkv: bool = False, norm: tuple | None = None):
     """Upstream's ``OAIAttention.forward`` with the rotation inside the qkv GEMV
     (``sm121::dense_fp8_linear_rope``); with ``kv_in_qkv`` the GEMV writes the KV cache too
     (``sm121::dense_fp8_linear_rope_kv``) and the attention op runs without vLLM's own
-    ``unified_kv_cache_update`` (``Attention.forward`` otherwise, for this backend and layer)."""
-    from vllm_sm121.dense.method import dense_fp8_linear_rope, dense_fp8_linear_rope_kv
+    ``unified_kv_cache_update`` (``Attention.forward`` otherwise, for this backend and layer).
+    ``norm=(residual, input_layernorm, key)``: ``hidden_states`` is the previous layer's output and
+    the input norm runs in the same op (``sm121::dense_fp8_linear_rope_norm``, carried from the
+    previous FC2 under ``key`` at decode); returns (output, the new residual) then."""
+    from vllm_sm121.dense.method import dense_fp8_linear_rope, dense_fp8_linear_rope_kv, dense_fp8_linear_rope_norm
 
     qkv_proj = attn.qkv_proj
     args = (hidden_states, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, positions,
             attn.rotary_emb.cos_sin_cache, attn.q_size + attn.kv_size, attn.head_dim)
+    if norm is not None:
+        residual, layernorm, key = norm
+        qkv, residual = dense_fp8_linear_rope_norm(hidden_states, residual, layernorm.weight, layernorm.variance_epsilon,
+                                                   *args[1:], key)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        output, _ = attn.o_proj(attn.attn(q, k, v))
+        return output, residual
     if not kv_in_qkv:
         q, k, v = dense_fp8_linear_rope(*args).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         output, _ = attn.o_proj(attn.attn(q, k, v))
@@ -389,21 +433,44 @@ class Sm121GptOssBlock(TransformerBlock):
 
                 init_logger("vllm.sm121").warning_once(
                     "gpt-oss: $VLLM_SM121_KV_IN_QKV=1 is not applied (%s); vLLM writes the KV cache", why)
+        # The input norm carried from the previous layer's FC2 into the qkv GEMV (opt-in
+        # $VLLM_SM121_NORM_IN_QKV=1; a traced choice): vllm_sm121/moe/carry.py links consecutive blocks.
+        self.sm121_norm_in_key = ""  # this block's qkv op reads the carried norm under this key
+        self.sm121_norm_out_key = ""  # this block's FC2 writes it (set when the next block links)
+        if choices.get("norm_in_qkv", False):
+            why = ("the rotation does not run inside the qkv GEMV" if not self.sm121_rope_in_qkv
+                   else "the KV write runs inside the qkv GEMV" if self.sm121_kv_in_qkv
+                   else norm_in_qkv_unsupported_reason(self))
+            if why is None:
+                from . import carry
+
+                self.sm121_norm_in_key = carry.link(self, vllm_config, prefix)
+            else:
+                from vllm.logger import init_logger
+
+                init_logger("vllm.sm121").warning_once(
+                    "gpt-oss: $VLLM_SM121_NORM_IN_QKV=1 is not applied (%s); the input norm runs on its own", why)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.sm121_fused_moe:
             return super().forward(hidden_states, positions, residual)
         # Self attention: upstream's (with the rotation inside the qkv GEMV where sm121_rope_in_qkv).
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+        rope_in_qkv = self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, self._sm121_dense_fp8)
+        if residual is not None and rope_in_qkv and self.sm121_norm_in_key:  # the input norm inside the qkv op
+            hidden_states, residual = hooked_attn_forward(
+                self.attn, hidden_states, positions, norm=(residual, self.input_layernorm, self.sm121_norm_in_key))
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, self._sm121_dense_fp8):
-            hidden_states = hooked_attn_forward(self.attn, hidden_states, positions, self.sm121_kv_in_qkv)
-        else:
-            hidden_states = self.attn(hidden_states, positions)
-        # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8.
+            if residual is None:
+                residual = hidden_states
+                hidden_states = self.input_layernorm(hidden_states)
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            if rope_in_qkv:
+                hidden_states = hooked_attn_forward(self.attn, hidden_states, positions, self.sm121_kv_in_qkv)
+            else:
+                hidden_states = self.attn(hidden_states, positions)
+        # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8 (which carries the
+        # next layer's input norm where sm121_norm_out_key).
         return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp,
-                                  self.sm121_router_in_norm, self.sm121_l2_key)
+                                  self.sm121_router_in_norm, self.sm121_l2_key, self.sm121_norm_out_key)
