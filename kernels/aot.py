@@ -301,6 +301,15 @@ def moe_specs(family: str) -> list[Spec]:
         specs.append(dataclasses.replace(  # FC2 with the combine inside (VLLM_SM121_MOE_FUSED_COMBINE=1)
             fc2_spec, name=fc2_spec.name[:-1] + ", fused combine]", constexprs=dict(fc2_spec.constexprs, COMBINE=True),
             ptr_types=dict(fc2_spec.ptr_types, out_ptr="*bf16", cnt_ptr="*i32")))
+        # the next layer's input norm carried from the combine (VLLM_SM121_NORM_IN_QKV=1), fused combine and kernel
+        nn_ptrs = dict(nn_res_ptr="*bf16", nn_w_ptr="*bf16", nn_s_ptr="*bf16", nn_u_ptr="*bf16", nn_ps_ptr="*fp32")
+        specs.append(dataclasses.replace(
+            specs[-1], name=fc2_spec.name[:-1] + ", fused combine, carried norm]",
+            constexprs=dict(specs[-1].constexprs, NEXT_NORM=True), ptr_types=dict(specs[-1].ptr_types, **nn_ptrs)))
+        if nt == 1:
+            specs.append(Spec(name="moe_combine[H2880 top4, carried norm]", fn=_moe_combine_kernel,
+                              constexprs=dict(H=2880, TOPK=4, BLOCK=1024, NEXT_NORM=True),
+                              ptr_types=dict(nn_ptrs, part_ptr="*fp32", out_ptr="*bf16"), num_warps=4))
         if nt == 1:  # the L2 prefetches (VLLM_SM121_L2_PREFETCH=w2_late / qkv_late): FC2's rows, the next qkv
             for spec, ptrs in ((fc1_spec, dict(pf_ptr="*u8", pfs_ptr="*u8")), (fc2_spec, dict(pf_ptr="*u8"))):
                 specs.append(dataclasses.replace(
@@ -398,11 +407,17 @@ def dense_specs(family: str) -> list[Spec]:
                                   constexprs=dict(specs[-1].constexprs, ROPE=True, ROPE_ROWS=72 * 64, HEAD=64),
                                   ptr_types=dict(fma_ptrs, pos_ptr="*i64", cs_ptr="*fp32"),
                                   num_warps=fma.num_warps))
+                rope_spec = specs[-1]
+                # + the input norm carried from the previous FC2 (opt-in VLLM_SM121_NORM_IN_QKV=1)
+                specs.append(dataclasses.replace(
+                    rope_spec, name=f"dense_fp8_fma[qkv K{k}, M{nt}, rope, carried norm]",
+                    constexprs=dict(rope_spec.constexprs, NORM=True, NP_PAD=256, COPY_BLOCK=16),
+                    ptr_types=dict(rope_spec.ptr_types, ps_ptr="*fp32", s_src_ptr="*bf16", res_out_ptr="*bf16")))
                 # + the k / v heads written to nvfp4 KV pages by each head's last program (opt-in kv_write)
                 specs.append(Spec(name=f"dense_fp8_fma[qkv K{k}, M{nt}, rope, nvfp4 kv write]", fn=_dense_fp8_fma_kernel,
-                                  constexprs=dict(specs[-1].constexprs, KV_WRITE=True, Q_ROWS=64 * 64, KV_HEADS=8,
+                                  constexprs=dict(rope_spec.constexprs, KV_WRITE=True, Q_ROWS=64 * 64, KV_HEADS=8,
                                                   KV_BLOCK=16),
-                                  ptr_types=dict(specs[-1].ptr_types, slot_ptr="*i64", k_data_ptr="*u8",
+                                  ptr_types=dict(rope_spec.ptr_types, slot_ptr="*i64", k_data_ptr="*u8",
                                                  k_scale_ptr="*u8", v_data_ptr="*u8", v_scale_ptr="*u8",
                                                  cnt_ptr="*i32"),
                                   num_warps=fma.num_warps))

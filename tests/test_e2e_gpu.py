@@ -311,3 +311,44 @@ def test_fp8_dense_w8a8_drift_reported(checkpoint, monkeypatch):
     assert g_mma[0] > 0 and between[0] > 0, "an FP8 run equals its reference: the option was not applied"
     assert g_mma[0] < 0.25 * signal, (g_mma, signal)
     assert _within(g_w8a8, g_mma), (g_w8a8, g_mma)
+
+
+def test_carried_input_norm_decode_within_upstream_spread(checkpoint, monkeypatch):
+    """The input add + RMSNorm carried from FC2 into the next qkv GEMV ($VLLM_SM121_NORM_IN_QKV=1;
+    the plugin's MoE, FP8 dense weights with the rotation in the qkv GEMV, FULL_AND_PIECEWISE
+    graphs): three prompts decode 32 tokens each (batches of <= 4 tokens, the carried path) and
+    every layer but the first must have taken it. Its greedy logprobs, scored by teacher forcing
+    with the option off (prefill: no carried path), must stay within 1.5x (+1e-3) of the option-off
+    run's own decode-vs-teacher-forcing gap on its own tokens (decode and prefill round differently)."""
+    from vllm_sm121.testing.probes import carried_norm_layers
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.setenv("VLLM_SM121_MOE_EXPERIMENTAL", "1")
+    prompts = _prompts()
+    # (a fresh additional_config per engine: the platform records the traced choices into it)
+    kw = lambda: dict(model=checkpoint, attention_backend="SM121",  # noqa: E731
+                      additional_config={"sm121": {"moe": "mxfp8", "dense_weights": "fp8"}})
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("VLLM_SM121_NORM_IN_QKV", flag)
+        runs[flag] = run_engine(prompts, gen=32, graphs="FULL_AND_PIECEWISE", probe=carried_norm_layers, **kw())
+    monkeypatch.setenv("VLLM_SM121_NORM_IN_QKV", "0")
+    (_, ids_on, lp_on), layers_on = runs["1"]
+    (_, ids_off, lp_off), layers_off = runs["0"]
+    n_layers = _num_layers(checkpoint)
+    assert layers_on == [n_layers - 1] and layers_off == [0], (layers_on, layers_off, n_layers)
+    seqs = [p + i for p, i in zip(prompts, ids_on)] + [p + i for p, i in zip(prompts, ids_off)]
+    tf = run_engine(seqs, **kw())[0]
+    tail = lambda lps, ps: [lp[len(p) - 1:] for lp, p in zip(lps, ps)]  # noqa: E731
+    gap_on = _diffs(lp_on, tail(tf[:3], prompts))
+    gap_off = _diffs(lp_off, tail(tf[3:], prompts))
+    print(f"\ncarried input norm ({layers_on[0]} layers): decode vs teacher-forced |delta logprob| mean {gap_on[0]:.4g} "
+          f"p99 {gap_on[1]:.4g}; option off: mean {gap_off[0]:.4g} p99 {gap_off[1]:.4g}")
+    assert _within(gap_on, gap_off), (gap_on, gap_off)
+
+
+def _num_layers(checkpoint) -> int:
+    import json
+
+    with open(pathlib.Path(checkpoint) / "config.json") as f:
+        return json.load(f)["num_hidden_layers"]

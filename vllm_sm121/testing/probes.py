@@ -10,3 +10,11 @@ def decode_parts_built(worker) -> int:
     from vllm_sm121.attention import metadata
 
     return metadata.DECODE_PARTS_BUILT
+
+
+def carried_norm_layers(worker) -> int:
+    """gpt-oss layers of this worker's model whose qkv op takes the input norm carried from the
+    previous layer's FC2 (``sm121_norm_in_key`` set; ``vllm_sm121/moe/carry.py``)."""
+    model = worker.model_runner.model
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    return sum(1 for layer in layers if getattr(layer, "sm121_norm_in_key", ""))
