@@ -136,10 +136,10 @@ for step in "$@"; do
                VLLM_SM121_ATTN_TILE="decode_nvfp4=$t" python3 benchmarks/attention.py --kinds decode --layers full --providers sm121 \
                  --kv-dtype nvfp4 --ctx 32768 --batch 8 --no-refcheck --out "$OUT/attntile_${t//,/_}_long.json" 2>&1 | grep -E "^\[|Error|error" | tail -n 3
              done ;;
-    normtests) python3 -m pytest -q -s -m gpu tests/test_next_norm.py -p no:cacheprovider 2>&1 | tee "$OUT/normtests.log" | grep -E "^M=|passed|failed|Error|^E " | tail -n 12
+    carrytests) python3 -m pytest -q -s -m gpu tests/test_next_norm.py -p no:cacheprovider 2>&1 | tee "$OUT/normtests.log" | grep -E "^M=|passed|failed|Error|^E " | tail -n 12
                python3 -m pytest -q -s tests/test_e2e_gpu.py -k carried -p no:cacheprovider > "$OUT/e2e_carried.log" 2>&1; r=$?
                grep -E "carried input norm|passed|failed|Error|^E " "$OUT/e2e_carried.log" | tail -n 15; (exit $r) ;;  # the carried input norm: kernels, then tiny end to end
-    normcarry) python3 benchmarks/norm_carry.py --out "$OUT/norm_carry.json" 2>&1 | tee "$OUT/normcarry.log" | grep -v "^INFO\|^WARNING" | tail -n 8 ;;  # one layer boundary: upstream order vs carried norm
+    carrybench) python3 benchmarks/norm_carry.py --out "$OUT/norm_carry.json" 2>&1 | tee "$OUT/normcarry.log" | grep -v "^INFO\|^WARNING" | tail -n 8 ;;  # one layer boundary: upstream order vs carried norm
     l2probe) python3 benchmarks/l2_probe.py ${L2_TILES:+--tiles "$L2_TILES"} --out "$OUT/l2_probe${L2_TAG:-}.json" 2>&1 | tee "$OUT/l2probe${L2_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 30 ;;  # GEMV cold / hot / after an L2 prefetch (export L2_TILES="r,kw,w;..." for dense tiles cold / hot: PAR VARS cannot carry ";")
     gemvtiles) python3 benchmarks/gemv_tiles.py --shapes "${GEMV_SHAPES:-qkv,o,lm_head}" --m "${GEMV_M:-1}" --fma-tiles "${GEMV_FMA_TILES:-default}" --mmav-tiles "${GEMV_MMAV_TILES:-default}" ${GEMV_ARGS:-} --out "$OUT/gemv_tiles${GEMV_TAG:-}.json" 2>&1 | tee "$OUT/gemvtiles${GEMV_TAG:-}.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # one-token dense GEMV per path / tile, cold and hot (export GEMV_MMAV_TILES="r,kb,split,w,st;...": ";" cannot go through PAR VARS)
     densekernels) python3 -m pytest -q -m "gpu or interpreter" tests/test_dense.py tests/test_dense_mmav.py ${DENSE_K:+-k "$DENSE_K"} -p no:cacheprovider 2>&1 | tail -n 8 | tee "$OUT/densekernels.log" ;;
