@@ -37,7 +37,7 @@ from .._sync import last_to_arrive
 from ..moe_details._mx import pdl_wait_then_release
 from ..fp4_kv_details._fp4_kv import nvfp4_store_slot
 from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
-from ..norm_mxfp8_details._next_norm import copy_rows, inv_rms
+from ..norm_mxfp8_details._next_norm import inv_rms, load_rows, load_sums, store_rows
 
 BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
 # Activations are multiplied by 2**X_EXP before the products (exact): the decoded weights carry
@@ -177,17 +177,31 @@ def _kv_head_to_nvfp4(out_ptr, stride_om, head_idx, slot_ptr, k_data_ptr, k_scal
 
 
 @triton.jit
-def _norm_scales(ps_ptr, eps, scale, K: tl.constexpr, NT: tl.constexpr, NP_PAD: tl.constexpr):
+def _norm_sums(ps_ptr, unused, K: tl.constexpr, NT: tl.constexpr, NP_PAD: tl.constexpr):
+    """NORM: tokens 0..NT-1's partial sums of squares (``unused`` past NT), loaded before the K loop."""
+    p0 = load_sums(ps_ptr, 0, K, NP_PAD)
+    p1, p2, p3 = unused, unused, unused
+    if NT > 1:
+        p1 = load_sums(ps_ptr, 1, K, NP_PAD)
+    if NT > 2:
+        p2 = load_sums(ps_ptr, 2, K, NP_PAD)
+    if NT > 3:
+        p3 = load_sums(ps_ptr, 3, K, NP_PAD)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _norm_scales(p0, p1, p2, p3, eps, scale, K: tl.constexpr, NT: tl.constexpr):
     """NORM: the epilogue scale of tokens 0..NT-1 (``scale`` past NT): ``scale`` times the token's
-    1 / rms from the carried sums of squares."""
-    s0 = scale * inv_rms(ps_ptr, 0, eps, K, NP_PAD)
+    1 / rms from its partial sums (after the K loop)."""
+    s0 = scale * inv_rms(p0, eps, K)
     s1, s2, s3 = scale, scale, scale
     if NT > 1:
-        s1 = scale * inv_rms(ps_ptr, 1, eps, K, NP_PAD)
+        s1 = scale * inv_rms(p1, eps, K)
     if NT > 2:
-        s2 = scale * inv_rms(ps_ptr, 2, eps, K, NP_PAD)
+        s2 = scale * inv_rms(p2, eps, K)
     if NT > 3:
-        s3 = scale * inv_rms(ps_ptr, 3, eps, K, NP_PAD)
+        s3 = scale * inv_rms(p3, eps, K)
     return s0, s1, s2, s3
 
 
@@ -243,6 +257,7 @@ def _dense_fp8_fma_kernel(
     COPY_BLOCK: tl.constexpr = 16,  # columns of s each of the first cdiv(K, COPY_BLOCK) programs copies
 ):
     KW: tl.constexpr = K // 4
+    BLOCK_T: tl.constexpr = 1 if NT == 1 else (2 if NT == 2 else 4)
     if ROPE:
         rows, rot_j, rot_sign = _rope_rows(tl.program_id(0), ROPE_ROWS, HEAD, BLOCK_R)
     else:
@@ -267,8 +282,12 @@ def _dense_fp8_fma_kernel(
         c0, c1, c2, c3, sn0, sn1, sn2, sn3 = _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, rot_j, rot_sign, scale,
                                                               HEAD, NT)
     s0, s1, s2, s3 = scale, scale, scale, scale  # each token's epilogue scale (NORM: times its 1 / rms)
+    # NORM: the sums of squares and this program's share of the residual copy are loaded here and
+    # used after the K loop (no memory round trip before the loop's first loads or at its end)
+    ps0, ps1, ps2, ps3, res_cp = scale, scale, scale, scale, scale
     if NORM and not PDL:
-        s0, s1, s2, s3 = _norm_scales(ps_ptr, norm_eps, scale, K, NT, NP_PAD)
+        ps0, ps1, ps2, ps3 = _norm_sums(ps_ptr, scale, K, NT, NP_PAD)
+        res_cp = load_rows(s_src_ptr, NT, BLOCK_T, K, COPY_BLOCK)
     k_start = 0
     if PDL:  # the first K step's weights are in flight before the wait for the activations' producer
         w = tl.load(w_base + offs_c[None, :], mask=(offs_c < KW)[None, :], other=0)
@@ -277,7 +296,8 @@ def _dense_fp8_fma_kernel(
             c0, c1, c2, c3, sn0, sn1, sn2, sn3 = _rope_factors_nt(pos_ptr, cs_ptr, stride_cs, rot_j, rot_sign, scale,
                                                                   HEAD, NT)
         if NORM:
-            s0, s1, s2, s3 = _norm_scales(ps_ptr, norm_eps, scale, K, NT, NP_PAD)
+            ps0, ps1, ps2, ps3 = _norm_sums(ps_ptr, scale, K, NT, NP_PAD)
+            res_cp = load_rows(s_src_ptr, NT, BLOCK_T, K, COPY_BLOCK)
         acc0, acc1, acc2, acc3 = _k_step(w, 0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
                                          BLOCK_KW)
         k_start = BLOCK_KW
@@ -286,6 +306,8 @@ def _dense_fp8_fma_kernel(
         w = tl.load(w_base + offs_w[None, :], mask=(offs_w < KW)[None, :], other=0)
         acc0, acc1, acc2, acc3 = _k_step(w, k0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
                                          BLOCK_KW)
+    if NORM:
+        s0, s1, s2, s3 = _norm_scales(ps0, ps1, ps2, ps3, norm_eps, scale, K, NT)
     _epilogue(acc0, s0, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS, c0, sn0, ROPE, BLOCK_R)
     if NT > 1:
         _epilogue(acc1, s1, bias, out_ptr, 1, stride_om, rows, row_ok, HAS_BIAS, c1, sn1, ROPE, BLOCK_R)
@@ -293,8 +315,8 @@ def _dense_fp8_fma_kernel(
         _epilogue(acc2, s2, bias, out_ptr, 2, stride_om, rows, row_ok, HAS_BIAS, c2, sn2, ROPE, BLOCK_R)
     if NT > 3:
         _epilogue(acc3, s3, bias, out_ptr, 3, stride_om, rows, row_ok, HAS_BIAS, c3, sn3, ROPE, BLOCK_R)
-    if NORM:  # the next residual, by the first programs (off the weights' path: after the loop)
-        copy_rows(s_src_ptr, res_out_ptr, stride_res_out, NT, K, COPY_BLOCK)
+    if NORM:  # the next residual, by the first programs (loaded before the loop)
+        store_rows(res_cp, res_out_ptr, stride_res_out, NT, BLOCK_T, K, COPY_BLOCK)
     if KV_WRITE:  # a program's rows lie inside one head (HEAD is a multiple of BLOCK_R)
         head_idx = tl.program_id(0) * BLOCK_R // HEAD - Q_ROWS // HEAD
         if (head_idx >= 0) & (head_idx < 2 * KV_HEADS):

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache_details._codecs import to_bf16_rne
-from ..norm_mxfp8_details._next_norm import next_norm_store
+from ..norm_mxfp8_details._next_norm import next_norm_inputs, next_norm_store
 from ._mx import mx_dot_wa, pdl_wait_then_release, routed_tokens
 
 
@@ -95,11 +95,14 @@ def _moe_combine_kernel(
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
+    if NEXT_NORM:  # (loaded with the partials: the same memory round trip)
+        nn_r, nn_w = next_norm_inputs(nn_res_ptr + token * nn_stride, nn_stride, nn_w_ptr, tl.program_id(1) * BLOCK, 1,
+                                      H, 1, BLOCK)
     out = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         out += tl.load(part_ptr + (token * TOPK + j) * H + offs, mask=ok, other=0.0)
     o = to_bf16_rne(out)
     tl.store(out_ptr + token * H + offs, o, mask=ok)
     if NEXT_NORM:
-        next_norm_store(o.to(tl.float32), token, True, tl.program_id(1) * BLOCK, nn_res_ptr, nn_stride, nn_w_ptr,
+        next_norm_store(o.to(tl.float32), tl.reshape(nn_r, [BLOCK]), nn_w, token, True, tl.program_id(1) * BLOCK,
                         nn_s_ptr, nn_u_ptr, nn_ps_ptr, H, BLOCK)

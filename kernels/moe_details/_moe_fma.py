@@ -56,7 +56,7 @@ import triton.language as tl
 from .._prefetch import prefetch_l2, prefetch_l2_grid
 from .._sync import last_to_arrive as _last_to_arrive
 from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, to_bf16_rne
-from ..norm_mxfp8_details._next_norm import next_norm_store
+from ..norm_mxfp8_details._next_norm import next_norm_inputs, next_norm_store, row_of
 from ._moe_route import route_rows
 from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens, routed_tokens_of
 
@@ -548,13 +548,14 @@ def _hit_row(hit, offs_t, tok):
 
 @triton.jit
 def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLIT: tl.constexpr, NT: tl.constexpr,
-                       BLOCK_R: tl.constexpr, nn_res_ptr=None, nn_stride=0, nn_w_ptr=None, nn_s_ptr=None,
-                       nn_u_ptr=None, nn_ps_ptr=None, NEXT_NORM: tl.constexpr = False):
+                       BLOCK_R: tl.constexpr, nn_r=None, nn_w=None, nn_s_ptr=None, nn_u_ptr=None, nn_ps_ptr=None,
+                       NEXT_NORM: tl.constexpr = False, BLOCK_T: tl.constexpr = 1):
     """The combine without its launch: every program of row tile program_id(1) arrives here once
     (after storing its partials; a duplicate slot's program at once). The one that arrives last
     (``_last_to_arrive`` of M * TOPK_SPLIT) sums each token's TOPK_SPLIT partial rows in order from
     zero, exactly as ``_moe_combine_kernel``, into bf16 ``out`` [M, H]; with NEXT_NORM it also
-    stores the next layer's carried input norm of those columns (``next_norm_store``)."""
+    stores the next layer's carried input norm of those columns (``next_norm_store``; nn_r / nn_w:
+    the tile's residual rows [BLOCK_T, BLOCK_R] and norm weight from ``next_norm_inputs``)."""
     tile = tl.program_id(1)
     if _last_to_arrive(cnt_ptr, tile, M * TOPK_SPLIT):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -566,8 +567,20 @@ def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLI
             o = to_bf16_rne(acc)
             tl.store(out_ptr + t * H + rows, o, mask=ok)
             if NEXT_NORM:
-                next_norm_store(o.to(tl.float32), t, t < M, tile * BLOCK_R, nn_res_ptr, nn_stride, nn_w_ptr, nn_s_ptr,
+                next_norm_store(o.to(tl.float32), row_of(nn_r, t, BLOCK_T), nn_w, t, t < M, tile * BLOCK_R, nn_s_ptr,
                                 nn_u_ptr, nn_ps_ptr, H, BLOCK_R)
+
+
+@triton.jit
+def _nn_inputs(nn_res_ptr, nn_stride, nn_w_ptr, M, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+               ON: tl.constexpr):
+    """NEXT_NORM: the row tile's residual rows and norm weight (``next_norm_inputs``); else zeros."""
+    if ON:
+        r, w = next_norm_inputs(nn_res_ptr, nn_stride, nn_w_ptr, tl.program_id(1) * BLOCK_R, M, H, BLOCK_T, BLOCK_R)
+    else:
+        r = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        w = tl.zeros([BLOCK_R], dtype=tl.float32)
+    return r, w
 
 
 @triton.jit
@@ -631,8 +644,9 @@ def _moe_fc2_fma_kernel(
         if PF and PF_LATE:
             prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
         if COMBINE:  # a duplicate slot still counts itself in on its row tile
-            _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R, nn_res_ptr, nn_stride,
-                               nn_w_ptr, nn_s_ptr, nn_u_ptr, nn_ps_ptr, NEXT_NORM)
+            nn_r, nn_w = _nn_inputs(nn_res_ptr, nn_stride, nn_w_ptr, M, H, BLOCK_T, BLOCK_R, NEXT_NORM)
+            _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R, nn_r, nn_w, nn_s_ptr,
+                               nn_u_ptr, nn_ps_ptr, NEXT_NORM, BLOCK_T)
         return
     if SPLIT == 1:
         split = 0
@@ -647,6 +661,8 @@ def _moe_fc2_fma_kernel(
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < H
     w_rows = expert * H + tl.minimum(rows, H - 1)  # rows past H: row H-1 (TMA: the next expert's), never stored
+    # The carried norm's residual rows and weight, before the K loop: the combine needs no load after it
+    nn_r, nn_w = _nn_inputs(nn_res_ptr, nn_stride, nn_w_ptr, M, H, BLOCK_T, BLOCK_R, NEXT_NORM and COMBINE)
     # The epilogue's bias and routing weights before the K loop (no memory round trip after it) for
     # up to 2 tokens; with more, the registers they hold across the loop spill (sm_90a, TMA tiles).
     if NT <= 2:
@@ -676,5 +692,5 @@ def _moe_fc2_fma_kernel(
         _fc2_epilogue(y3 + bias, _routing_weight(topk_w_ptr, t3, hit3, offs_j, TOPK), t3, s3, hit3, offs_j, part_ptr,
                       rows, row_ok & u3, split, H, TOPK, SPLIT)
     if COMBINE:
-        _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R, nn_res_ptr, nn_stride,
-                               nn_w_ptr, nn_s_ptr, nn_u_ptr, nn_ps_ptr, NEXT_NORM)
+        _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H, TOPK * SPLIT, NT, BLOCK_R, nn_r, nn_w, nn_s_ptr,
+                           nn_u_ptr, nn_ps_ptr, NEXT_NORM, BLOCK_T)
