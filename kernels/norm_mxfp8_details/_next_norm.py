@@ -65,8 +65,9 @@ def load_sums(ps_ptr, t, H: tl.constexpr, NP_PAD: tl.constexpr):
 @triton.jit
 def inv_rms(sums, eps, H: tl.constexpr):
     """1 / sqrt(mean(s**2) + eps) from a token's partial sums (``load_sums``; scalar fp32, summed
-    in a fixed order: deterministic), the arithmetic of the plugin's norm kernels (``_add_rmsnorm_row``)."""
-    return 1.0 / tl.sqrt(tl.sum(sums, axis=0) / H + eps)
+    in a fixed order: deterministic). IEEE-rounded square root and division: no flush-to-zero
+    instruction in the GEMV that calls it (its e4m3 decode keeps denormals)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sums, axis=0) / H + eps))
 
 
 @triton.jit
