@@ -287,13 +287,16 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-scalebytes", _all_on(),
            "sm121-all-moe with the nvfp4 attention's block scales loaded as bytes (before stop 32)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_ATTN_SCALE_WORDS", "0"))),
-    # Stop 33: the next layer's input add + RMSNorm carried from FC2's combine into the qkv GEMV, alone
-    # and with f16group
+    # Stop 33: the next layer's input add + RMSNorm carried from FC2's combine into the qkv GEMV (measured
+    # as an opt-in, then the default at one token), alone, with f16group, and off (A/B of the default)
     Config("sm121-all-moe-normqkv", _all_on(),
-           "sm121-all-moe + the input norm carried from FC2 into the qkv GEMV (opt-in)", **OFF,
+           "sm121-all-moe + the input norm carried from FC2 into the qkv GEMV (explicitly on)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_NORM_IN_QKV", "1"))),
+    Config("sm121-all-moe-nonorm", _all_on(),
+           "sm121-all-moe with the input norm as a kernel of its own again (before stop 33)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_NORM_IN_QKV", "0"))),
     Config("sm121-all-moe-normf16", _all_on(),
-           "sm121-all-moe + the carried input norm + f16group (opt-ins)", **OFF,
+           "sm121-all-moe + the carried input norm + f16group (opt-in): the best measured (stop 33)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_NORM_IN_QKV", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "2"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,

@@ -30,9 +30,24 @@ import dataclasses
 
 import torch
 
-# Tokens up to which the norm is carried (the FMA GEMVs' range: FMA_KERNEL_MAX_TOKENS, DENSE_FMA_KERNEL_MAX_M).
+# Tokens up to which the norm can be carried (the FMA GEMVs' range: FMA_KERNEL_MAX_TOKENS, DENSE_FMA_KERNEL_MAX_M).
 NEXT_NORM_MAX_T = 4
 NEXT_NORM_CHUNK = 16  # columns per partial sum of squares (``_next_norm.CHUNK``)
+# Tokens up to which the model's ops carry it (``carry_tokens``): 1 by default. One layer boundary of
+# gpt-oss-120b in CUDA graphs (benchmarks/norm_carry.py, H200, e16211b): 22.05 -> 21.06 us at one
+# token, but 41.25 -> 43.23 us at four (the combine kernel and the qkv GEMV's four 1/rms). Read at
+# call time (i.e. at graph capture), by the producing and the consuming op alike; 0..NEXT_NORM_MAX_T.
+CARRY_TOKENS_ENV = "VLLM_SM121_NORM_IN_QKV_MAX_T"
+
+
+def carry_tokens() -> int:
+    """The largest batch whose input norm the gpt-oss ops carry ($VLLM_SM121_NORM_IN_QKV_MAX_T, default 1)."""
+    from vllm_sm121.envs import env_int
+
+    v = env_int(CARRY_TOKENS_ENV, 1)
+    if not 0 <= v <= NEXT_NORM_MAX_T:
+        raise ValueError(f"${CARRY_TOKENS_ENV}={v} is not supported; supported: 0..{NEXT_NORM_MAX_T} tokens")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)

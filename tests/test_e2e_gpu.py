@@ -314,7 +314,7 @@ def test_fp8_dense_w8a8_drift_reported(checkpoint, monkeypatch):
 
 
 def test_carried_input_norm_decode_within_upstream_spread(checkpoint, monkeypatch):
-    """The input add + RMSNorm carried from FC2 into the next qkv GEMV ($VLLM_SM121_NORM_IN_QKV=1;
+    """The input add + RMSNorm carried from FC2 into the next qkv GEMV ($VLLM_SM121_NORM_IN_QKV=1, up to 4 tokens;
     the plugin's MoE, FP8 dense weights with the rotation in the qkv GEMV, FULL_AND_PIECEWISE
     graphs): three prompts decode 32 tokens each (batches of <= 4 tokens, the carried path) and
     every layer but the first must have taken it. Its greedy logprobs, scored by teacher forcing
@@ -324,6 +324,7 @@ def test_carried_input_norm_decode_within_upstream_spread(checkpoint, monkeypatc
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     monkeypatch.setenv("VLLM_SM121_MOE_EXPERIMENTAL", "1")
+    monkeypatch.setenv("VLLM_SM121_NORM_IN_QKV_MAX_T", "4")  # the three rows decode together (default: 1 token)
     prompts = _prompts()
     # (a fresh additional_config per engine: the platform records the traced choices into it)
     kw = lambda: dict(model=checkpoint, attention_backend="SM121",  # noqa: E731

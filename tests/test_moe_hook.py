@@ -580,29 +580,40 @@ def _linked_pair(env, seed: int):
     return a, b
 
 
-@pytest.mark.parametrize("m", [1, 3, 6])  # carried up to NEXT_NORM_MAX_T = 4 tokens; the op's own norm above
-def test_input_norm_carried_from_fc2_into_the_next_qkv(env, m):
-    """Two linked blocks: block n's FC2 carries block n+1's input add + RMSNorm into its qkv op. Block
-    n's outputs are unchanged; block n+1's new residual is upstream's bit for bit and its output within
-    bf16 rounding-placement of the unlinked pair's (upstream's input norm, then the same GEMV)."""
+@pytest.mark.parametrize("m,max_t", [(1, None), (3, None), (3, "4"), (6, "4")])
+def test_input_norm_carried_from_fc2_into_the_next_qkv(env, m, max_t, monkeypatch):
+    """Two linked blocks: block n's FC2 carries block n+1's input add + RMSNorm into its qkv op for
+    batches of up to $VLLM_SM121_NORM_IN_QKV_MAX_T tokens (default 1; the op's own norm above). Block
+    n's outputs are unchanged; what FC2 carried is upstream's new residual bit for bit, and block
+    n+1's outputs are within bf16 rounding-placement of the unlinked pair's (upstream's input norm,
+    then the same GEMV)."""
+    from vllm_sm121.kernels.next_norm import CARRY_TOKENS_ENV
+    from vllm_sm121.moe import carry
+
+    if max_t is None:
+        monkeypatch.delenv(CARRY_TOKENS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CARRY_TOKENS_ENV, max_t)
+    carried = m <= int(max_t or 1)
     a, b = _linked_pair(env, 40 + m)
     x, _, res0 = _inputs(m, seed=30 + m)
     pos = torch.arange(m) * 37
+    key = b.sm121_norm_in_key
     with torch.no_grad():
         xa, ra = a(x, pos, res0.clone())
         out, r = b(xa, pos, ra)
-        key = b.sm121_norm_in_key
+        s_carried = carry.buffers(key, TINY["hidden_size"], x.device).s[:m].clone()
         a.sm121_norm_out_key = b.sm121_norm_in_key = ""  # unlinked: upstream's boundary
         xa2, ra2 = a(x, pos, res0.clone())
         out2, r2 = b(xa2, pos, ra2)
         a.sm121_norm_out_key = b.sm121_norm_in_key = key
     assert torch.equal(xa, xa2) and torch.equal(ra, ra2)
-    if m <= 4:  # what FC2 carried: block n+1's new residual as upstream's add rounds it
-        from vllm_sm121.moe import carry
-
-        assert torch.equal(carry.buffers(key, TINY["hidden_size"], x.device).s[:m], (xa.float() + ra.float()).bfloat16())
+    if carried:  # what FC2 carried: block n+1's new residual as upstream's add rounds it
+        assert torch.equal(s_carried, (xa.float() + ra.float()).bfloat16())
+    else:  # nothing written (the buffers start at zero)
+        assert not s_carried.any()
     # r and out both follow block n+1's attention, whose qkv input moved by bf16 rounding placement
-    print(f"\nM={m}: carried vs upstream boundary {rel_l2(out, out2):.2e}, residual {rel_l2(r, r2):.2e}")
+    print(f"\nM={m}: carried={carried} vs upstream boundary {rel_l2(out, out2):.2e}, residual {rel_l2(r, r2):.2e}")
     assert rel_l2(out, out2) < 2e-2 and rel_l2(r, r2) < 2e-2, (rel_l2(out, out2), rel_l2(r, r2))
 
 
@@ -633,19 +644,27 @@ def test_linked_pair_traces_into_one_graph(env):
 
 
 def test_norm_in_qkv_switch_and_reasons(env, monkeypatch):
-    """Opt-in ($VLLM_SM121_NORM_IN_QKV=1, a traced choice); refused with the reason under tensor or
-    expert parallelism, where the all-reduce separates FC2 from the add."""
+    """On by default ($VLLM_SM121_NORM_IN_QKV, a traced choice; 0 turns it off); not applied without
+    the rotation in the qkv GEMV (the stand-in attention here), and refused with the reason under
+    tensor or expert parallelism, where the all-reduce separates FC2 from the add. The token limit
+    is checked."""
     from vllm_sm121 import config as C
+    from vllm_sm121.kernels import next_norm
 
     monkeypatch.delenv(C.NORM_IN_QKV_ENV, raising=False)
-    assert C.traced_env_choices()["norm_in_qkv"] is False
-    monkeypatch.setenv(C.NORM_IN_QKV_ENV, "1")
     assert C.traced_env_choices()["norm_in_qkv"] is True
+    monkeypatch.setenv(C.NORM_IN_QKV_ENV, "0")
+    assert C.traced_env_choices()["norm_in_qkv"] is False
     block = build_block(env, "mxfp8")
-    assert block.sm121_norm_in_key == "" and block.sm121_norm_out_key == ""  # recorded choice: off
+    assert block.sm121_norm_in_key == "" and block.sm121_norm_out_key == ""  # no rotation in the GEMV here
     par = block.mlp.experts.routed_experts.moe_config.moe_parallel_config
     monkeypatch.setattr(par, "tp_size", 2)
     assert "all-reduce" in hook.norm_in_qkv_unsupported_reason(block)
+    monkeypatch.delenv(next_norm.CARRY_TOKENS_ENV, raising=False)
+    assert next_norm.carry_tokens() == 1
+    monkeypatch.setenv(next_norm.CARRY_TOKENS_ENV, "5")
+    with pytest.raises(ValueError, match="VLLM_SM121_NORM_IN_QKV_MAX_T=5"):
+        next_norm.carry_tokens()
 
 
 def test_opcheck_qkv_norm_op():

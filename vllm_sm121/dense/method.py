@@ -104,15 +104,15 @@ def _dense_fp8_linear_rope_norm(x: torch.Tensor, residual: torch.Tensor, norm_we
                                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_rows: int, head_size: int,
                                 norm_key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's ``input_layernorm(x, residual)`` then ``_dense_fp8_linear_rope``: returns (qkv, the
-    new residual). Up to NEXT_NORM_MAX_T tokens the norm is the one the previous layer's FC2 carried
+    new residual). Up to ``carry_tokens()`` tokens the norm is the one the previous layer's FC2 carried
     under ``norm_key`` (``vllm_sm121/moe/carry.py``; x and residual are then not read); else the
     plugin's add + RMSNorm kernel runs first (bf16 y; its MXFP8 output is not used)."""
     from vllm_sm121.kernels import dense
-    from vllm_sm121.kernels.next_norm import NEXT_NORM_MAX_T
+    from vllm_sm121.kernels.next_norm import carry_tokens
     from vllm_sm121.kernels.norm_mxfp8 import fused_add_rmsnorm_mxfp8
 
     m = x.shape[0]
-    if norm_key and 0 < m <= NEXT_NORM_MAX_T:
+    if norm_key and 0 < m <= carry_tokens():
         from vllm_sm121.moe import carry
 
         return dense.dense_fp8_linear_rope_norm(carry.buffers(norm_key, x.shape[1], x.device), m, norm_weight, eps, w,
@@ -270,7 +270,7 @@ def dense_fp8_linear_rope_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
                                norm_key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(qkv bf16 [T, N], new residual bf16 [T, K]): upstream's ``input_layernorm(x, residual)`` and
     then ``dense_fp8_linear_rope`` of its output, with the norm carried from the previous layer's
-    FC2 (``norm_key``) for up to NEXT_NORM_MAX_T tokens."""
+    FC2 (``norm_key``) for up to ``kernels.next_norm.carry_tokens()`` tokens."""
     x = x.contiguous()
     residual = residual.contiguous()
     return torch.ops.sm121.dense_fp8_linear_rope_norm(x, residual, norm_weight, eps, w, scale, bias,

@@ -105,10 +105,10 @@ def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: to
                        l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "") -> torch.Tensor:
     from vllm_sm121 import l2_plan
     from vllm_sm121.kernels.moe import moe_block
-    from vllm_sm121.kernels.next_norm import NEXT_NORM_MAX_T, NextNorm
+    from vllm_sm121.kernels.next_norm import NextNorm, carry_tokens
 
     nn = None
-    if norm_key and residual is not None and 0 < x.shape[0] <= NEXT_NORM_MAX_T:  # (vllm_sm121/moe/carry.py)
+    if norm_key and residual is not None and 0 < x.shape[0] <= carry_tokens():  # (vllm_sm121/moe/carry.py)
         from . import carry
 
         nn = NextNorm(residual, carry.norm_weight(norm_key), carry.buffers(norm_key, w2.shape[1], x.device))
@@ -153,7 +153,7 @@ def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w
     expert parallelism this rank's share (``expert_map`` int32 [E], global -> local or -1). ``l2_key``:
     the block's key in ``vllm_sm121.l2_plan`` (its L2 prefetches; "" none). ``norm_key`` (with the
     block's ``residual``): the next layer's carried input norm (``vllm_sm121/moe/carry.py``) is
-    written too, for up to NEXT_NORM_MAX_T tokens."""
+    written too, for up to ``kernels.next_norm.carry_tokens()`` tokens."""
     return torch.ops.sm121.gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
                                              w2_bias, topk, expert_map, l2_key, residual, norm_key)
 
@@ -433,8 +433,8 @@ class Sm121GptOssBlock(TransformerBlock):
 
                 init_logger("vllm.sm121").warning_once(
                     "gpt-oss: $VLLM_SM121_KV_IN_QKV=1 is not applied (%s); vLLM writes the KV cache", why)
-        # The input norm carried from the previous layer's FC2 into the qkv GEMV (opt-in
-        # $VLLM_SM121_NORM_IN_QKV=1; a traced choice): vllm_sm121/moe/carry.py links consecutive blocks.
+        # The input norm carried from the previous layer's FC2 into the qkv GEMV (default on since stop 33,
+        # $VLLM_SM121_NORM_IN_QKV=0 turns it off; a traced choice): vllm_sm121/moe/carry.py links consecutive blocks.
         self.sm121_norm_in_key = ""  # this block's qkv op reads the carried norm under this key
         self.sm121_norm_out_key = ""  # this block's FC2 writes it (set when the next block links)
         if choices.get("norm_in_qkv", False):
@@ -445,11 +445,15 @@ class Sm121GptOssBlock(TransformerBlock):
                 from . import carry
 
                 self.sm121_norm_in_key = carry.link(self, vllm_config, prefix)
-            else:
+            else:  # a warning where asked for explicitly; the default just notes it
                 from vllm.logger import init_logger
 
-                init_logger("vllm.sm121").warning_once(
-                    "gpt-oss: $VLLM_SM121_NORM_IN_QKV=1 is not applied (%s); the input norm runs on its own", why)
+                from vllm_sm121.config import NORM_IN_QKV_ENV
+
+                log = init_logger("vllm.sm121")
+                (log.warning_once if os.environ.get(NORM_IN_QKV_ENV, "").strip() else log.info_once)(
+                    "gpt-oss: the input norm carried into the qkv GEMV ($VLLM_SM121_NORM_IN_QKV) is not applied "
+                    "(%s); it runs on its own", why)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
