@@ -99,7 +99,7 @@ def _signature(spec: Spec) -> tuple[dict, dict]:
             sig[name] = "*fp32"
         elif name.startswith("stride"):
             sig[name] = "i64"
-        elif name in ("sm_scale", "softcap", "eps"):
+        elif name in ("sm_scale", "softcap", "eps", "norm_eps"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

@@ -601,15 +601,14 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     pf, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_next, h)
     if pf_kw["PF"]:
         pf_kw["PF_LATE"] = l2_late
-    nn_kw = {}
+    nn_kw, nn_after = {}, False
     if next_norm is not None:
         next_norm.check(out)
         nn_kw = dict(nn_res_ptr=next_norm.residual, nn_stride=next_norm.residual.stride(0), nn_w_ptr=next_norm.weight,
                      nn_s_ptr=next_norm.bufs.s, nn_u_ptr=next_norm.bufs.u, nn_ps_ptr=next_norm.bufs.psum,
                      NEXT_NORM=True)
-        if combine and rows % NEXT_NORM_CHUNK:  # (no tile table has such rows; an env tile might)
-            raise ValueError(f"next_norm: FC2 tiles of {rows} rows are not supported with the fused combine; "
-                             f"supported: multiples of {NEXT_NORM_CHUNK} rows")
+        if combine and rows % NEXT_NORM_CHUNK:  # (no tile table has such rows; an env tile might): torch after
+            nn_kw, nn_after = {}, True
     if m:
         w_words = w2.view(torch.int32)
         _moe_fc2_fma_kernel[(m * topk, n_tiles, split)](
@@ -626,6 +625,8 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
         # rows (token, slot, split) of a token are contiguous: the combine sums topk * split of them in order
         _moe_combine_kernel[(m, -(-hidden // block))](part, out, H=hidden, TOPK=topk * split, BLOCK=block,
                                                       num_warps=4, **(pdl or V.pdl_launch(h)), **nn_kw)
+    if nn_after and m:
+        next_norm_torch(out, next_norm)
     return out
 
 

@@ -83,9 +83,10 @@ def _check_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -
 
 
 def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
-                            residual_out: torch.Tensor | None = None):
+                            residual_out: torch.Tensor | None = None, mx: bool = True):
     """Returns (y bf16 [T, H], values float8_e4m3fn [T, H], scales uint8 e8m0 [T, H/32]); writes
-    ``x + residual`` to ``residual_out`` (default: ``residual``, updated in place)."""
+    ``x + residual`` to ``residual_out`` (default: ``residual``, updated in place). ``mx=False``:
+    the add + RMSNorm alone, returning (y, None, None)."""
     _check_norm(x, residual, weight)
     if residual_out is None:
         residual_out = residual
@@ -95,16 +96,16 @@ def fused_add_rmsnorm_mxfp8(x: torch.Tensor, residual: torch.Tensor, weight: tor
                          f"must match x {tuple(x.shape)} {x.dtype} on {x.device} with a contiguous last dimension")
     t, h = x.shape
     y = torch.empty_like(x)
-    q = torch.empty(t, h, dtype=torch.uint8, device=x.device)
-    s = torch.empty(t, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    q = torch.empty(t if mx else 0, h, dtype=torch.uint8, device=x.device)
+    s = torch.empty(t if mx else 0, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
     if t:
         block_h = triton.next_power_of_2(h)
         # performance hyper-parameters: one row per program; 2880 bf16 = 5.6 KB per row.
         _add_rmsnorm_mxfp8_kernel[(t,)](x, residual, residual_out, weight, y, q, s, float(eps), x.stride(0),
                                         residual.stride(0), residual_out.stride(0), y.stride(0), q.stride(0),
                                         s.stride(0), H=h, BLOCK_H=block_h, num_warps=4 if block_h >= 2048 else 2,
-                                        **V.pdl_launch(x))
-    return y, q.view(torch.float8_e4m3fn), s
+                                        MX=mx, **V.pdl_launch(x))
+    return (y, q.view(torch.float8_e4m3fn), s) if mx else (y, None, None)
 
 
 def _check_router(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor) -> None:

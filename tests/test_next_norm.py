@@ -62,6 +62,24 @@ def test_fc2_combine_carries_the_next_norm(m, fused, device, monkeypatch):
 
 @pytest.mark.interpreter
 @pytest.mark.usefixtures("exact_moe_products")
+def test_fc2_tiles_below_a_chunk_carry_the_norm_in_torch(device, monkeypatch):
+    """FC2 row tiles of 8 (a $VLLM_SM121_MOE_FMA_TILES override) with the fused combine: the carried
+    norm falls back to ``next_norm_torch`` after the block (the kernel's sums need 16-row tiles)."""
+    monkeypatch.setenv(K.FUSED_COMBINE_ENV, "1")
+    hidden = 64
+    args, residual, norm_w = _fc2_case(1, hidden, 64, 4, 2, 58)
+    dev = [a.to(device) for a in args]
+    tiles = K.FmaTiles.parse("64,16,8,32,2,1")
+    bufs = NextNormBuffers.alloc(hidden, device)
+    out = K.moe_fc2_combine_fma(*dev, tiles, next_norm=NextNorm(residual.to(device), norm_w.to(device), bufs))
+    assert torch.equal(out.cpu(), K.moe_fc2_combine_fma(*dev, tiles).cpu())
+    ref = NextNormBuffers.alloc(hidden, "cpu")
+    next_norm_torch(out.cpu(), NextNorm(residual, norm_w, ref))
+    _assert_carried(bufs, ref, 1)
+
+
+@pytest.mark.interpreter
+@pytest.mark.usefixtures("exact_moe_products")
 @pytest.mark.parametrize("path", ["fma", "decode"])
 def test_moe_block_carries_the_next_norm_on_every_path(path, device):
     """``moe_block(next_norm=...)``: on the FMA path FC2's combine writes the buffers, on another path

@@ -93,6 +93,10 @@ def test_residual_out_leaves_the_input_residual(device):
     y, q, s = fused_add_rmsnorm_mxfp8(x.to(device), res_dev, w.to(device), residual_out=out)
     assert torch.equal(res_dev.cpu(), res) and torch.equal(out.cpu(), res_ref)
     assert torch.equal(s.cpu(), s_ref)
+    # mx=False (the qkv op's own input norm): the same y and residual, no MXFP8 outputs
+    out2 = torch.empty_like(out)
+    y2, q2, s2 = fused_add_rmsnorm_mxfp8(x.to(device), res_dev, w.to(device), residual_out=out2, mx=False)
+    assert q2 is None and s2 is None and torch.equal(y2.cpu(), y.cpu()) and torch.equal(out2.cpu(), out.cpu())
 
 
 def test_quantizer_scale_rule_and_zero_blocks():

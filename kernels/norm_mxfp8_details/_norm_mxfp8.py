@@ -51,6 +51,7 @@ def _add_rmsnorm_mxfp8_kernel(
     H: tl.constexpr,
     BLOCK_H: tl.constexpr,  # power of two >= H
     PDL: tl.constexpr = False,  # launched as a programmatic dependent ($VLLM_SM121_PDL): wait first thing
+    MX: tl.constexpr = True,  # False: bf16 y and the residual only (q_ptr / s_ptr unused)
 ):
     if PDL:
         pdl_wait_then_release()
@@ -58,7 +59,8 @@ def _add_rmsnorm_mxfp8_kernel(
     offs, m, r, y, _ = _add_rmsnorm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, eps, H, BLOCK_H)
     tl.store(res_out_ptr + row * stride_ro + offs, r, mask=m)  # one program per row: reads came first
     tl.store(y_ptr + row * stride_y + offs, to_bf16_rne(y), mask=m)
-    _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H, BLOCK_H)
+    if MX:
+        _store_mxfp8_row(y, offs, m, q_ptr, s_ptr, row, stride_q, stride_s, H, BLOCK_H)
 
 
 @triton.jit

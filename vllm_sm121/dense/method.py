@@ -106,7 +106,7 @@ def _dense_fp8_linear_rope_norm(x: torch.Tensor, residual: torch.Tensor, norm_we
     """gpt-oss's ``input_layernorm(x, residual)`` then ``_dense_fp8_linear_rope``: returns (qkv, the
     new residual). Up to ``carry_tokens()`` tokens the norm is the one the previous layer's FC2 carried
     under ``norm_key`` (``vllm_sm121/moe/carry.py``; x and residual are then not read); else the
-    plugin's add + RMSNorm kernel runs first (bf16 y; its MXFP8 output is not used)."""
+    plugin's add + RMSNorm kernel runs first (bf16 y only)."""
     from vllm_sm121.kernels import dense
     from vllm_sm121.kernels.next_norm import carry_tokens
     from vllm_sm121.kernels.norm_mxfp8 import fused_add_rmsnorm_mxfp8
@@ -118,7 +118,7 @@ def _dense_fp8_linear_rope_norm(x: torch.Tensor, residual: torch.Tensor, norm_we
         return dense.dense_fp8_linear_rope_norm(carry.buffers(norm_key, x.shape[1], x.device), m, norm_weight, eps, w,
                                                 scale, bias, positions, cos_sin_cache, rope_rows, head_size)
     res = torch.empty_like(x)
-    y, _, _ = fused_add_rmsnorm_mxfp8(x, residual, norm_weight, eps, residual_out=res)
+    y, _, _ = fused_add_rmsnorm_mxfp8(x, residual, norm_weight, eps, residual_out=res, mx=False)
     return dense.dense_fp8_linear_rope(y, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size), res
 
 

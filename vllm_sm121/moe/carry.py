@@ -9,12 +9,17 @@ Architecture
     the buffers by the key at run time, as vLLM's attention ops find their KV cache by layer name:
     the traced graph orders the two ops through the block output, which the qkv op takes.
 
-    Buffers are allocated at the first call on the activations' device (vLLM's profiling run,
-    before any CUDA-graph capture), NEXT_NORM_MAX_T rows each: ~25 KB per boundary for gpt-oss.
+    Buffers are allocated when the layers are linked, on the norm weight's device (vLLM builds the
+    model on its target device), NEXT_NORM_MAX_T rows each: ~25 KB per boundary for gpt-oss; a call
+    on another device reallocates them there.
 
 Limitations
     Layers are found by their index in the module prefix (``extract_layer_index``); the norm
-    module is held weakly (a model that is dropped drops its entries' weights).
+    module is held weakly (a model that is dropped drops its entries' weights). Keys are the input
+    norms' module names, stable across processes as vLLM's compile cache needs (the ops take them
+    as constants): two gpt-oss models with the same layer names alive in one process would share
+    the entries (the later one's), so such a process must turn the option off
+    ($VLLM_SM121_NORM_IN_QKV=0); vLLM's own draft models live under other prefixes.
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ def link(block: torch.nn.Module, vllm_config, prefix: str) -> str:
     if prev is None or getattr(prev, "_sm121_carry_config", None) is not vllm_config:
         return ""
     key = f"{prefix}.input_layernorm"
-    _ENTRIES[key] = _Entry(weakref.ref(block.input_layernorm))
+    w = block.input_layernorm.weight
+    bufs = NextNormBuffers.alloc(w.shape[0], w.device) if w.device.type not in ("meta",) else None
+    _ENTRIES[key] = _Entry(weakref.ref(block.input_layernorm), bufs)
     prev.sm121_norm_out_key = key
     return key
 
