@@ -10,7 +10,7 @@ One boundary is what runs between the experts' FC1 output and the next layer's a
 
 Each variant is captured in a CUDA graph of ``--layers`` boundaries, each on its own weights (so
 every call reads its weights from DRAM, as in the decode step), and replayed ``--reps`` times;
-the table gives µs per boundary (median over replays) and the bytes the two GEMVs read per
+the table gives µs per boundary (median over replays, ``l2_probe._time_graph``) and the bytes the two GEMVs read per
 boundary against the card's copy bandwidth measured in the same run. JSON (``--out``): device,
 versions, commit, config, records.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 from pathlib import Path
 
 import torch
@@ -104,23 +103,8 @@ def run(args):
                                              pos, cache, rope_rows, HEAD, path="fma")
 
         rec = {"m": m, "layers": args.layers}
-        for name, fn in (("upstream_order", upstream), ("carried", carried)):
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            ts = []
-            for _ in range(args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3 / args.layers)
-            rec[f"{name}_us"] = statistics.median(ts)
-            rec[f"{name}_min_us"] = min(ts)
-            del graph
+        for name, fn in (("upstream_order", upstream), ("carried", carried)):  # median µs of a replay, per boundary
+            rec[f"{name}_us"] = _load("l2_probe")._time_graph(fn, args.reps) / args.layers
         records.append(rec)
     return records
 

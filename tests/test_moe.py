@@ -122,6 +122,18 @@ def _ids_with_shared_experts(m: int, e: int, topk: int, g: torch.Generator) -> t
     return torch.tensor(rows, dtype=torch.int32)
 
 
+def fc2_case(m: int, hidden: int, i: int, e: int, topk: int, g: torch.Generator):
+    """FC2's inputs (h, h_scale, w2, w2_scale, bias, topk_ids, topk_w): MXFP8 activations of M * topk
+    rows, random MXFP4 weights, shared experts across tokens (``_ids_with_shared_experts``)."""
+    h, h_scale = mxfp8_quantize_torch(torch.randn(m * topk, i, generator=g) * 3)
+    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
+    w2_scale = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
+    bias = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
+    topk_ids = _ids_with_shared_experts(m, e, topk, g)
+    topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
+    return h, h_scale, w2, w2_scale, bias, topk_ids, topk_w
+
+
 def _assert_mxfp8_close(q, s, ref_q, ref_s):
     """The FC1 output rule of test_fc1_swiglu_matches_reference: same scales, values within one
     e4m3 step (another summation order can cross a rounding boundary), >= 95% identical."""
@@ -183,13 +195,7 @@ def test_fma_fc1_matches_reference(device, m, k, i, e, topk, tiles):
 def test_fma_fc2_matches_reference(device, m, hidden, i, e, topk, tiles):
     from vllm_sm121.kernels.moe import FmaTiles, moe_fc2_combine_fma, moe_fc2_combine_torch
 
-    g = torch.Generator().manual_seed(20 + m)
-    h, h_scale = mxfp8_quantize_torch(torch.randn(m * topk, i, generator=g) * 3)
-    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
-    w2_scale = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
-    bias = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
-    topk_ids = _ids_with_shared_experts(m, e, topk, g)
-    topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
+    h, h_scale, w2, w2_scale, bias, topk_ids, topk_w = fc2_case(m, hidden, i, e, topk, torch.Generator().manual_seed(20 + m))
     ref = moe_fc2_combine_torch(h, h_scale, w2, w2_scale, bias, topk_ids, topk_w)
     dev = lambda t: t.to(device)  # noqa: E731
     t = FmaTiles.parse(tiles) if tiles else None

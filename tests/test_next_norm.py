@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe import _ids_with_shared_experts
+from test_moe import fc2_case
 
 from vllm_sm121.kernels import dense as D
 from vllm_sm121.kernels import moe as K
 from vllm_sm121.kernels.next_norm import (NEXT_NORM_CHUNK, NextNorm, NextNormBuffers, inv_rms_torch, next_norm_torch,
                                           normed_torch)
-from vllm_sm121.kernels.norm_mxfp8 import mxfp8_quantize_torch
 
 
 def _fc2_case(m, hidden, i, e, topk, seed):
+    """FC2's inputs (``test_moe.fc2_case``), the block's residual and the next layer's norm weight."""
     g = torch.Generator().manual_seed(seed)
-    h, h_scale = mxfp8_quantize_torch(torch.randn(m * topk, i, generator=g) * 3)
-    w2 = torch.randint(0, 256, (e, hidden, i // 2), generator=g, dtype=torch.uint8)
-    w2_scale = torch.randint(118, 122, (e, hidden, i // 32), generator=g, dtype=torch.uint8)
-    bias = (torch.randn(e, hidden, generator=g) * 0.5).bfloat16()
-    ids = _ids_with_shared_experts(m, e, topk, g)
-    topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
+    args = fc2_case(m, hidden, i, e, topk, g)
     residual = (torch.randn(m, hidden, generator=g) * 4).bfloat16()
     norm_w = (1 + 0.3 * torch.randn(hidden, generator=g)).bfloat16()
-    return (h, h_scale, w2, w2_scale, bias, ids, topk_w), residual, norm_w
+    return args, residual, norm_w
 
 
 def _assert_carried(bufs: NextNormBuffers, ref: NextNormBuffers, m: int):
