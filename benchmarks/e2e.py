@@ -298,6 +298,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-normf16", _all_on(),
            "sm121-all-moe + the carried input norm + f16group (opt-in): the best measured (stop 33)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_NORM_IN_QKV", "1"), ("VLLM_SM121_MOE_FMA_F16X2", "2"))),
+    # A/B of stop 34's default: the MoE GEMVs' packed fp16 products per 8-value word (mode 1) again
+    Config("sm121-all-moe-f16word", _all_on(),
+           "sm121-all-moe with the MoE GEMVs' fp16 products summed per word (mode 1, before stop 34)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

@@ -449,25 +449,34 @@ def _check_linear(x, w, scale, bias) -> tuple[int, int, int]:
 
 
 def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None, *, path: str = "auto") -> torch.Tensor:
+                     bias: torch.Tensor | None = None, *, path: str = "auto",
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """bf16 [M, N] = x [M, K] bf16 @ (w [N, K] e4m3 * scale [N])^T + bias [N] (fp32 accumulation).
 
     path: "auto" (``select_path``: the FMA GEMV for few tokens, else the MMA kernel, or vLLM's
     W8A8 GEMM where $VLLM_SM121_DENSE_W8A8_MIN_M says), "fma" (M <= DENSE_FMA_KERNEL_MAX_M only),
     "mma" or "w8a8" (the activations are quantized to e4m3 per token: W8A8 numerics).
+    ``out_dtype`` torch.float32: the unrounded fp32 result (a row-parallel shard's partial sum under
+    tensor parallelism, rounded to bf16 once after the all-reduce); "auto" then never takes "w8a8".
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype={out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
+    if out_dtype == torch.float32 and path == "w8a8":
+        raise ValueError("path='w8a8' writes bf16 only; out_dtype=torch.float32 takes 'auto', 'fma', 'mmav' or 'mma'")
     m, n, k = _check_linear(x, w, scale, bias)
     if path == "fma" and m > DENSE_FMA_KERNEL_MAX_M:
         raise ValueError(f"path='fma' takes at most {DENSE_FMA_KERNEL_MAX_M} tokens, got M={m}")
     if path == "mmav" and m > DENSE_MMAV_KERNEL_MAX_M:
         raise ValueError(f"path='mmav' takes at most {DENSE_MMAV_KERNEL_MAX_M} tokens, got M={m}")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if path == "auto":
         path = select_path(m, n)
+        if path == "w8a8" and out_dtype == torch.float32:
+            path = "mma"
     if path == "fma":
         return _dense_fma(x, w, scale, bias, out)
     if path == "mmav":

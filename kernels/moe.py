@@ -314,17 +314,18 @@ FMA_F16X2_ENV = "VLLM_SM121_MOE_FMA_F16X2"
 # FC1 15.9 / 13.3 vs 14.4 / 12.3 (-1.5 us cold), FC2 + combine 11.4 / 9.6 vs 11.5 / 10.1; block rel
 # L2 against the exact products 4.8e-3 (M = 1, 4) and 7.4e-3 (M = 3, split-K tiles) vs 3.1-4.2e-3
 # for mode 1 (GPU test bound 1e-2; docs/logs/moetests-f16group-h200-096aea5.log). Opt-in until an
-# end-to-end run.
+# end-to-end run. Stop 33 ran it end to end with the carried norm: 0.966 of the step time of mode 1 on one
+# H200 (e16211b), after 0.980 at stop 32 (one card, 94bb348): the default on a GPU since stop 34.
 
 
 def fma_f16x2(t: torch.Tensor) -> int:
-    """0: exact fp32 products, 1: packed fp16 products per word (the GPU default), 2: per group."""
+    """0: exact fp32 products, 1: packed fp16 products per word, 2: per 32-value group (the GPU default)."""
     if _platform.family_of(t) == _platform.INTERPRETER:
         return 0
-    v = V.env_int(FMA_F16X2_ENV, 1)
+    v = V.env_int(FMA_F16X2_ENV, 2)
     if v not in (0, 1, 2):
         raise ValueError(f"${FMA_F16X2_ENV}={v}: supported: 0 (exact fp32 products), 1 (packed fp16 products per "
-                         "8-value word, the default), 2 (per 32-value group)")
+                         "8-value word), 2 (per 32-value group, the default)")
     return v
 
 
@@ -572,23 +573,34 @@ def fc2_split_k(i: int, block_g: int, want: int) -> tuple[int, int]:
     return -(-groups // gps), gps
 
 
+def _out_dtype(dt: torch.dtype) -> torch.dtype:
+    """FC2's output dtype, checked: bf16 (the block's output) or fp32 (a rank's unrounded share)."""
+    if dt not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype={dt} is not supported; supported: torch.bfloat16, torch.float32")
+    return dt
+
+
 def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                         bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         tiles: FmaTiles | None = None, l2_next: torch.Tensor | None = None,
-                        l2_late: bool = False, next_norm: NextNorm | None = None) -> torch.Tensor:
+                        l2_late: bool = False, next_norm: NextNorm | None = None,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``moe_fc2_combine`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and
     numbers): the FMA GEMV writes the fp32 partials per (token, slot), ``_moe_combine_kernel`` sums them.
     ``l2_next``: a contiguous tensor (the next layer's qkv weight) its programs prefetch into L2, first
     thing or (``l2_late``) after their own weight stream (``l2_prefetch``; GPU only, results unchanged).
-    ``next_norm``: the combine also writes the next layer's carried input norm (``kernels/next_norm.py``)."""
+    ``next_norm``: the combine also writes the next layer's carried input norm (``kernels/next_norm.py``).
+    ``out_dtype`` torch.float32 (see ``moe_block``): the combine runs as its own launch."""
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
+    if _out_dtype(out_dtype) != torch.bfloat16 and next_norm is not None:
+        raise ValueError("next_norm needs the bf16 output (out_dtype=torch.bfloat16)")
     _check_fma_tokens(m)
     tiles = tiles or fma_tiles(h, m)
     rows = tiles.fc2_rows
     warps, stages = tiles.fc2_launch()
     block_g = min(tiles.fc2_kb // 16, triton.next_power_of_2(i // 32))
     split, gps = fc2_split_k(i, block_g, tiles.fc2_split)
-    out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
+    out = torch.empty(m, hidden, dtype=out_dtype, device=h.device)
     part = torch.empty(m * topk * split, hidden, dtype=torch.float32, device=h.device)
     pdl = moe_pdl(h)
     # $VLLM_SM121_PDL (the decode step's switch) without $VLLM_SM121_MOE_PDL: FC2 waits first thing
@@ -596,7 +608,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     pdl_top = dict(PDL_TOP=True, launch_pdl=True) if not pdl and V.pdl_launch(h) else {}
     tma = _tma_stages(h, stages)
     n_tiles = -(-hidden // rows)
-    combine = fused_combine(m)
+    combine = fused_combine(m) and out_dtype == torch.bfloat16
     cnt = split_counters(h.device, n_tiles, "fc2") if combine and m else part
     pf, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_next, h)
     if pf_kw["PF"]:
@@ -658,14 +670,16 @@ def moe_fc1_swiglu_torch(a, a_scale, w13, w13_scale, bias, topk_ids):
 
 
 def moe_fc2_combine(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                    bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                    bias: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """h [M*topk, I] e4m3 + h_scale [M*topk, I/32]; returns bf16 [M, H] = sum_j w_j (h_j W2[e_j]^T + b2[e_j]).
 
     Two launches: the grouped GEMV (as FC1's grid) writing fp32 partials per (token, slot), and
-    a combine summing each token's topk partials in slot order, rounded once to bf16.
+    a combine summing each token's topk partials in slot order, rounded once to bf16 (``out_dtype``
+    torch.float32: not rounded, see ``moe_block``).
     """
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
-    out = torch.empty(m, hidden, dtype=torch.bfloat16, device=h.device)
+    out = torch.empty(m, hidden, dtype=_out_dtype(out_dtype), device=h.device)
     part = torch.empty(m * topk, hidden, dtype=torch.float32, device=h.device)
     bm, bn = DECODE_BLOCK_M, DECODE_FC2_BLOCK_N
     if m:
@@ -946,9 +960,10 @@ def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[
 
 
 def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None,
-                    tiles: GroupedTiles | None = None) -> torch.Tensor:
-    """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H]); ``align`` and
-    ``tiles`` as in ``moe_fc1_swiglu_grouped``."""
+                    tiles: GroupedTiles | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H], or fp32 for
+    ``out_dtype``); ``align`` and ``tiles`` as in ``moe_fc1_swiglu_grouped``."""
+    out_dtype = _out_dtype(out_dtype)
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     tiles = tiles or grouped_tiles(h, m, topk, e)
     part = torch.empty(m, topk, hidden, dtype=torch.float32, device=h.device)
@@ -961,7 +976,7 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
             DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
-    return part.sum(1).to(torch.bfloat16)
+    return part.sum(1).to(out_dtype)
 
 
 # ---- the whole block ---------------------------------------------------------------------------
@@ -1013,7 +1028,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w2_bias: torch.Tensor, topk: int,
               x_scale: torch.Tensor | None = None, path: str = "auto",
               expert_map: torch.Tensor | None = None, l2: L2Plan | None = None,
-              next_norm: NextNorm | None = None) -> torch.Tensor:
+              next_norm: NextNorm | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """gpt-oss routed experts: bf16 [M, H] = sum over the top-k experts of w_j * FFN_j(x).
 
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
@@ -1025,7 +1040,10 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     Parallel ranks: under tensor parallelism the weights are this rank's intermediate shard (w2
     bias on one rank only, as vLLM loads it); under expert parallelism they are the rank's experts
     and ``expert_map`` ([E] int32, global -> local or -1; ``moe_route``) routes. Either way the
-    result is this rank's share, summed across ranks by the caller's all-reduce.
+    result is this rank's share, summed across ranks by the caller's all-reduce. ``out_dtype``
+    torch.float32 returns that share unrounded (fp32 sums of the fp32 partials), so that an fp32
+    all-reduce and one rounding to bf16 after it give one rank's result up to fp32 summation order
+    (``vllm_sm121/moe/hook.py``, exact TP reductions); the fused combine is off then.
 
     ``l2``: L2 prefetches of the one-chunk FMA path (``L2Plan``; ignored by the other paths).
 
@@ -1033,8 +1051,10 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     of ``out + next_norm.residual`` (``kernels/next_norm.py``): in FC2's combine on the FMA path,
     else by ``next_norm_torch`` after the block.
     """
+    if _out_dtype(out_dtype) != torch.bfloat16 and next_norm is not None:
+        raise ValueError("next_norm needs the bf16 output (out_dtype=torch.bfloat16)")
     out, carried = _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk, x_scale, path,
-                              expert_map, l2, next_norm)
+                              expert_map, l2, next_norm, out_dtype)
     if next_norm is not None and not carried:
         next_norm.check(out)
         if out.shape[0]:
@@ -1043,7 +1063,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
 
 
 def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk, x_scale, path, expert_map,
-               l2, next_norm) -> tuple[torch.Tensor, bool]:
+               l2, next_norm, out_dtype=torch.bfloat16) -> tuple[torch.Tensor, bool]:
     """``moe_block``'s output and whether FC2's combine wrote ``next_norm``."""
     if path not in PATHS:
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
@@ -1072,14 +1092,17 @@ def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias
                                                 l2_w2=(w2, w2_scale) if pf.w2 else None, l2_late=pf.w2_late)
                 nn = next_norm if m <= FMA_KERNEL_MAX_TOKENS else None  # (one chunk)
                 outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles,
-                                                l2_next=pf.next_weight, l2_late=pf.next_late, next_norm=nn))
+                                                l2_next=pf.next_weight, l2_late=pf.next_late, next_norm=nn,
+                                                out_dtype=out_dtype))
             return (outs[0], nn is not None) if len(outs) == 1 else (torch.cat(outs), False)
         h, h_scale = moe_fc1_swiglu(x, x_scale, w13, w13_scale, w13_bias, topk_ids)
-        return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w), False
-    tiles = grouped_tiles(x, m, topk, w13.shape[0])  # one choice for moe_align and both GEMMs
+        return moe_fc2_combine(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, out_dtype), False
+    # one choice for moe_align and both GEMMs; under EP each local expert sees the pairs of a global one
+    # (m * topk / E on average), and the same tiles as at EP = 1 keep the same summation order
+    tiles = grouped_tiles(x, m, topk, expert_map.numel() if expert_map is not None else w13.shape[0])
     align = moe_align(topk_ids, w13.shape[0], tiles.block_m) if m else None
     h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles)
-    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles), False
+    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles, out_dtype), False
 
 
 def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,

@@ -485,3 +485,20 @@ def test_dense_fma_pdl_chain_matches(m, monkeypatch):
     assert D.V.pdl_launch(x) == dict(PDL=True, launch_pdl=True)
     assert torch.equal(chain(), plain)
     assert torch.equal(graph_replayed(chain), plain)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,path", [(1, "fma"), (3, "fma"), (2, "mmav"), (6, "mma"), (6, "auto")])
+def test_dense_fp32_out_is_the_bf16_result_before_its_rounding(m, path, device):
+    """out_dtype=torch.float32 (a row-parallel shard's partial under TP, all-reduced in fp32): the
+    same kernel's sums, unrounded; rounding them to bf16 gives the bf16 output bit for bit."""
+    x, q, s, b = _fma_case(m, 48, 96, True, seed=11 + m, device=device)
+    f32 = D.dense_fp8_linear(x, q, s, b, path=path, out_dtype=torch.float32)
+    bf = D.dense_fp8_linear(x, q, s, b, path=path)
+    assert f32.dtype == torch.float32 and f32.shape == (m, 48)
+    assert torch.equal(f32.bfloat16(), bf)
+    assert (f32 != f32.bfloat16().float()).any()  # not rounded
+    with pytest.raises(ValueError, match="out_dtype"):
+        D.dense_fp8_linear(x, q, s, b, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="w8a8"):
+        D.dense_fp8_linear(x, q, s, b, path="w8a8", out_dtype=torch.float32)

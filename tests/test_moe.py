@@ -280,8 +280,8 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
         assert K.fma_tiles(cpu, 3) == K.FMA_TILES_F16X2[(K._platform.SM90, 2)] == K.FmaTiles(64, 256, 32, 256, 4, 3)
         assert K.fma_tiles(cpu, 1) == K.FMA_TILES_F16X2[(K._platform.SM90, 1)] != K.FMA_TILES[(K._platform.SM90, 1)]
         mp.delenv(K.FMA_F16X2_ENV)
-        assert K.fma_f16x2(cpu)  # the default on a GPU
-        mp.setenv(K.FMA_F16X2_ENV, "2")  # per-group fp16 chains (opt-in): the packed products' tiles
+        assert K.fma_f16x2(cpu) == 2  # the default on a GPU (per-group fp16 chains, since stop 34)
+        mp.setenv(K.FMA_F16X2_ENV, "2")  # per-group fp16 chains: the packed products' tiles
         assert K.fma_f16x2(cpu) == 2 and K.fma_tiles(cpu, 1) == K.FMA_TILES_F16X2[(K._platform.SM90, 1)]
         mp.setenv(K.FMA_F16X2_ENV, "3")
         with pytest.raises(ValueError, match=K.FMA_F16X2_ENV):

@@ -291,10 +291,12 @@ def test_hook_is_installed_only_through_moe_register(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16-reduce", "fp32-reduce"])
 @pytest.mark.parametrize("field", ["tp_size", "ep_size"])
-def test_fused_path_all_reduces_under_tensor_and_expert_parallelism(env, monkeypatch, field):
+def test_fused_path_all_reduces_under_tensor_and_expert_parallelism(env, monkeypatch, field, fp32):
     """Under TP/EP each rank's experts return a share of the sum: the hook all-reduces it (here a
-    stand-in that scales by 3, on one rank) exactly once, after the experts."""
+    stand-in that scales by 3, on one rank) exactly once, after the experts; with the fp32 reduce
+    (the default under TP / EP) the share is the unrounded fp32 sum and the result is rounded once."""
     import vllm.distributed
 
     block = build_block(env, "mxfp8", seed=5)
@@ -306,13 +308,71 @@ def test_fused_path_all_reduces_under_tensor_and_expert_parallelism(env, monkeyp
     calls = []
     monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", lambda t: calls.append(t) or t * 3)
     experts.moe_config.moe_parallel_config = dataclasses.replace(par, **{field: 2})  # use_ep off: no expert_map
+    block.sm121_fp32_reduce_moe = fp32  # (decided at construction, where this block had one rank)
     try:
         with torch.no_grad():
             out, _ = block(x, pos, res0.clone())
     finally:
         experts.moe_config.moe_parallel_config = par
-    assert len(calls) == 1 and torch.equal(calls[0], single)
-    assert torch.equal(out, single * 3)
+    assert len(calls) == 1
+    if fp32:
+        assert calls[0].dtype == torch.float32 and torch.equal(calls[0].bfloat16(), single)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, (calls[0] * 3).bfloat16())
+    else:
+        assert torch.equal(calls[0], single) and torch.equal(out, single * 3)
+
+
+def test_fp32_reduce_switch_and_o_proj_reasons(env, monkeypatch):
+    """One rank: nothing to reduce (the block keeps upstream's o_proj); the reasons name what blocks it."""
+    from vllm_sm121 import config as C
+
+    monkeypatch.delenv(C.TP_FP32_REDUCE_ENV, raising=False)
+    block = build_block(env, "mxfp8")
+    assert not block.sm121_fp32_reduce_moe and not block.sm121_fp32_reduce_o
+    assert hook.o_proj_fp32_reduce_unsupported_reason(block.attn) == "attention is not upstream's OAIAttention"
+    assert C.traced_env_choices()["tp_fp32_reduce"] is True
+    monkeypatch.setenv(C.TP_FP32_REDUCE_ENV, "0")
+    assert C.traced_env_choices()["tp_fp32_reduce"] is False
+
+
+@pytest.mark.parametrize("dense", ["bf16", "fp8"])
+def test_o_proj_fp32_reduce_rounds_once_after_the_sum(monkeypatch, dense):
+    """Two row-parallel ranks simulated on one: each rank's fp32 partial (bias on rank 0), summed by
+    the all-reduce stand-in and rounded once, reproduces the unsharded bf16 projection; summing
+    bf16-rounded partials (upstream's bf16 all-reduce) does not, in many elements."""
+    import vllm.distributed
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+    from vllm_sm121.kernels import dense as D
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 128
+    x = torch.randn(5, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.2).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    if dense == "fp8":
+        q, scale = D.fp8_per_channel_quantize(w)
+        full = D.dense_fp8_linear(x, q, scale, b)
+    else:
+        full = (x.float() @ w.float().t() + b.float()).bfloat16()
+    parts = []
+
+    def rank(r):
+        sl = slice(r * k // 2, (r + 1) * k // 2)
+        o = types.SimpleNamespace(tp_rank=r, bias=b)
+        if dense == "fp8":
+            o.quant_method, o.weight, o.weight_scale = Sm121DenseFp8LinearMethod(), q[:, sl].contiguous(), scale
+        else:
+            o.quant_method, o.weight = UnquantizedLinearMethod(), w[:, sl].contiguous()
+        return o, x[:, sl].contiguous()
+
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", lambda t: parts.append(t) or t)
+    halves = [hook.o_proj_fp32_reduce(*rank(r)) for r in (0, 1)]
+    assert all(p.dtype == torch.float32 for p in parts) and all(h.dtype == torch.bfloat16 for h in halves)
+    same32 = ((parts[0] + parts[1]).bfloat16() == full).float().mean().item()
+    same16 = ((halves[0] + halves[1]) == full).float().mean().item()
+    assert same32 >= 0.97 and same32 > same16 + 0.1, (same32, same16)
 
 
 def test_router_in_norm_switch_and_reasons(env, monkeypatch):

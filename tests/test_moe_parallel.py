@@ -224,3 +224,37 @@ def test_fused_routing_and_combine_defaults(monkeypatch):
         monkeypatch.setenv(K.FUSED_COMBINE_ENV, value)
         assert [K.fused_route(m, t) for m in (1, 4)] == [want, want]
         assert [K.fused_combine(m) for m in (1, 4)] == [want, want]
+
+
+def _shares(weights, x, logits, kind, path, device, out_dtype):
+    if kind == "tp":
+        return [K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in shard], TOPK, path=path,
+                            out_dtype=out_dtype) for shard in tp_shards(weights, 2)]
+    return [K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in shard], TOPK, path=path,
+                        expert_map=emap.to(device), out_dtype=out_dtype) for shard, emap in ep_shards(weights, 2)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["fma", "decode", "grouped"])
+@pytest.mark.parametrize("kind", ["tp", "ep"])
+def test_fp32_shares_reproduce_the_unsharded_bf16_output(device, path, kind):
+    """out_dtype=torch.float32 (the hook's fp32 all-reduce under TP / EP): the ranks' unrounded
+    shares, summed and rounded to bf16 once, give the unsharded block's bf16 values except where fp32
+    summation order crosses a rounding boundary; summing bf16-rounded shares (upstream's bf16
+    all-reduce) moves many more elements. Exactly the bf16 output where one rank holds everything."""
+    m = 4 if path == "fma" else 7
+    weights = _full(seed=4)
+    x, logits = _inputs(m, seed=5)
+    full = K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in weights], TOPK, path=path).cpu()
+    one32 = K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in weights], TOPK, path=path,
+                        out_dtype=torch.float32).cpu()
+    assert one32.dtype == torch.float32 and torch.equal(one32.bfloat16(), full)
+    f32 = _shares(weights, x, logits, kind, path, device, torch.float32)
+    bf = _shares(weights, x, logits, kind, path, device, torch.bfloat16)
+    assert all(t.dtype == torch.float32 for t in f32) and all(t.dtype == torch.bfloat16 for t in bf)
+    same32 = ((f32[0].cpu() + f32[1].cpu()).bfloat16() == full).float().mean().item()
+    same16 = ((bf[0].cpu() + bf[1].cpu()) == full).float().mean().item()  # (the bf16 add rounds once more)
+    print(f"\n{kind} {path}: elements equal to the unsharded output: fp32 shares {same32:.3f}, bf16 shares {same16:.3f}")
+    assert same32 >= 0.97 and same32 > same16, (same32, same16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in weights], TOPK, out_dtype=torch.float16)

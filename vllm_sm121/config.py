@@ -130,6 +130,10 @@ KV_IN_QKV_ENV = "VLLM_SM121_KV_IN_QKV"
 NORM_IN_QKV_ENV = "VLLM_SM121_NORM_IN_QKV"
 # L2 prefetches of the next GEMV's weights (kernels/l2_prefetch.py): the MoE op's prefetch key is traced
 L2_PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
+# Under tensor / expert parallelism, the plugin's gpt-oss block all-reduces each rank's o_proj and MoE
+# share in fp32 and rounds to bf16 once after it (vllm_sm121/moe/hook.py), so TP=2 reproduces TP=1's
+# bf16 values up to fp32 summation order; default on since stop 34; 0: upstream's bf16 all-reduce
+TP_FP32_REDUCE_ENV = "VLLM_SM121_TP_FP32_REDUCE"
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -140,7 +144,7 @@ def traced_env_choices() -> dict[str, Any]:
     """The environment's choices that change the traced gpt-oss graph (read now)."""
     return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True),
             "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False), "norm_in_qkv": _env_flag(NORM_IN_QKV_ENV, True),
-            "l2_prefetch": _l2_prefetch_choice()}
+            "l2_prefetch": _l2_prefetch_choice(), "tp_fp32_reduce": _env_flag(TP_FP32_REDUCE_ENV, True)}
 
 
 def _l2_prefetch_choice() -> str:

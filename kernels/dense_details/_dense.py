@@ -13,7 +13,7 @@ Prefill runs the same kernel with larger BLOCK_M tiles (a dequantize-in-register
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import to_bf16_rne
+from ..kv_cache_details._codecs import store_rounded
 
 
 def _launch_metadata(grid, kernel, args):
@@ -60,5 +60,5 @@ def _dense_fp8_kernel(
     y = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None], to_bf16_rne(y),
-             mask=row_ok[:, None] & tok_ok[None, :])
+    store_rounded(out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None], y,
+                  mask=row_ok[:, None] & tok_ok[None, :])

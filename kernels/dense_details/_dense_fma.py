@@ -36,7 +36,7 @@ import triton.language as tl
 from .._sync import last_to_arrive
 from ..moe_details._mx import pdl_wait_then_release
 from ..fp4_kv_details._fp4_kv import nvfp4_store_slot
-from ..kv_cache_details._codecs import e4m3_word_byte, to_bf16_rne
+from ..kv_cache_details._codecs import e4m3_word_byte, store_rounded, to_bf16_rne
 from ..norm_mxfp8_details._next_norm import inv_rms, load_rows, load_sums, store_rows
 
 BF16_HI_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32
@@ -153,7 +153,7 @@ def _epilogue(acc, scale, bias, out_ptr, t, stride_om, rows, row_ok, HAS_BIAS: t
     if ROPE:  # NeoX rotation of the bf16 projection (as upstream rotates the linear's bf16 output)
         y = to_bf16_rne(y).to(tl.float32)
         y = y * c + _swap_halves(y, BLOCK_R) * sn
-    tl.store(out_ptr + t * stride_om + rows, to_bf16_rne(y), mask=row_ok)
+    store_rounded(out_ptr + t * stride_om + rows, y, row_ok)
 
 
 @triton.jit

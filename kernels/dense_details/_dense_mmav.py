@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
-from ..kv_cache_details._codecs import to_bf16_rne
+from ..kv_cache_details._codecs import store_rounded, to_bf16_rne
 from ._dense_fma import _rope_rows, _swap_halves
 
 BLOCK_T = tl.constexpr(16)  # the token tile: tl.dot's smallest N
@@ -62,8 +62,8 @@ def _mmav_epilogue(acc, rows, row_ok, toks, tok_ok, scale_ptr, bias_ptr, out_ptr
         y = to_bf16_rne(y).to(tl.float32)
         swapped = tl.reshape(_swap_halves(tl.reshape(y, [BLOCK_N * BLOCK_T]), BLOCK_N * BLOCK_T), [BLOCK_N, BLOCK_T])
         y = y * c + swapped * (sn * rot_sign[:, None])
-    tl.store(out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None], to_bf16_rne(y),
-             mask=row_ok[:, None] & tok_ok[None, :])
+    store_rounded(out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None], y,
+                  mask=row_ok[:, None] & tok_ok[None, :])
 
 
 @triton.jit(launch_metadata=_launch_metadata)

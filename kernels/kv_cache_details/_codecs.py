@@ -154,3 +154,13 @@ def to_bf16_rne(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def store_rounded(ptr, y, mask=None):
+    """Store fp32 ``y`` at ``ptr``: rounded to bf16 (``to_bf16_rne``) for a bf16 tensor, as is for an
+    fp32 one (a rank's partial sum under tensor parallelism, rounded once after the all-reduce)."""
+    if ptr.dtype.element_ty == tl.float32:
+        tl.store(ptr, y, mask=mask)
+    else:
+        tl.store(ptr, to_bf16_rne(y), mask=mask)

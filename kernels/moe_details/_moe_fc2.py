@@ -11,7 +11,7 @@ atomics, no zero fill) and rounds once to bf16.
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import to_bf16_rne
+from ..kv_cache_details._codecs import store_rounded, to_bf16_rne
 from ..norm_mxfp8_details._next_norm import next_norm_inputs, next_norm_store
 from ._mx import mx_dot_wa, pdl_wait_then_release, routed_tokens
 
@@ -101,8 +101,8 @@ def _moe_combine_kernel(
     out = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         out += tl.load(part_ptr + (token * TOPK + j) * H + offs, mask=ok, other=0.0)
-    o = to_bf16_rne(out)
-    tl.store(out_ptr + token * H + offs, o, mask=ok)
+    store_rounded(out_ptr + token * H + offs, out, ok)  # (bf16, or an fp32 out under TP)
     if NEXT_NORM:
+        o = to_bf16_rne(out)
         next_norm_store(o.to(tl.float32), tl.reshape(nn_r, [BLOCK]), nn_w, token, True, tl.program_id(1) * BLOCK,
                         nn_s_ptr, nn_u_ptr, nn_ps_ptr, H, BLOCK)

@@ -42,15 +42,15 @@ LM_HEAD = "lm_head"
 # ---- custom op -------------------------------------------------------------------------------
 
 def _dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+                      bias: torch.Tensor | None, f32_out: bool = False) -> torch.Tensor:
     from vllm_sm121.kernels.dense import dense_fp8_linear
 
-    return dense_fp8_linear(x, w, scale, bias)
+    return dense_fp8_linear(x, w, scale, bias, out_dtype=torch.float32 if f32_out else torch.bfloat16)
 
 
 def _dense_fp8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                           bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
+                           bias: torch.Tensor | None, f32_out: bool = False) -> torch.Tensor:
+    return torch.empty(x.shape[0], w.shape[0], dtype=torch.float32 if f32_out else torch.bfloat16, device=x.device)
 
 
 def _dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -145,13 +145,13 @@ _register_ops()  # once per process (module import)
 
 
 def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 [..., N] = x [..., K] @ (w e4m3 [N, K] * scale [N])^T + bias."""
+                     bias: torch.Tensor | None = None, f32_out: bool = False) -> torch.Tensor:
+    """bf16 [..., N] = x [..., K] @ (w e4m3 [N, K] * scale [N])^T + bias (``f32_out``: fp32, unrounded)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.ops.sm121.dense_fp8_linear(x2, w, scale, bias)
+    out = torch.ops.sm121.dense_fp8_linear(x2, w, scale, bias, f32_out)
     return out.reshape(*lead, w.shape[0])
 
 

@@ -102,7 +102,8 @@ def _add_rmsnorm_mxfp8_router_fake(x: torch.Tensor, residual: torch.Tensor, weig
 def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                        w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                        w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None,
-                       l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "") -> torch.Tensor:
+                       l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "",
+                       f32_out: bool = False) -> torch.Tensor:
     from vllm_sm121 import l2_plan
     from vllm_sm121.kernels.moe import moe_block
     from vllm_sm121.kernels.next_norm import NextNorm, carry_tokens
@@ -113,14 +114,29 @@ def _gpt_oss_moe_mxfp8(x: torch.Tensor, x_scale: torch.Tensor, router_logits: to
 
         nn = NextNorm(residual, carry.norm_weight(norm_key), carry.buffers(norm_key, w2.shape[1], x.device))
     return moe_block(x, router_logits.contiguous(), w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk,
-                     x_scale=x_scale, expert_map=expert_map, l2=l2_plan.moe_plan(l2_key), next_norm=nn)
+                     x_scale=x_scale, expert_map=expert_map, l2=l2_plan.moe_plan(l2_key), next_norm=nn,
+                     out_dtype=torch.float32 if f32_out else torch.bfloat16)
 
 
 def _gpt_oss_moe_mxfp8_fake(x: torch.Tensor, x_scale: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                             w13_scale: torch.Tensor, w13_bias: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                             w2_bias: torch.Tensor, topk: int, expert_map: torch.Tensor | None = None,
-                            l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "") -> torch.Tensor:
-    return torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
+                            l2_key: str = "", residual: torch.Tensor | None = None, norm_key: str = "",
+                            f32_out: bool = False) -> torch.Tensor:
+    return torch.empty(x.shape[0], w2.shape[1], dtype=torch.float32 if f32_out else torch.bfloat16, device=x.device)
+
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [M, N] = x [M, K] @ w [N, K]^T (+ bias), bf16 inputs, fp32 accumulation, no rounding to bf16."""
+    if x.is_cuda:
+        y = torch.mm(x, w.t(), out_dtype=torch.float32)
+    else:
+        y = x.float() @ w.float().t()
+    return y + bias.float() if bias is not None else y
+
+
+def _linear_f32_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
 
 
 def _register_ops() -> None:
@@ -129,6 +145,7 @@ def _register_ops() -> None:
     register_op("add_rmsnorm_mxfp8", _add_rmsnorm_mxfp8, _add_rmsnorm_mxfp8_fake, mutates_args=["residual"])
     register_op("add_rmsnorm_mxfp8_router", _add_rmsnorm_mxfp8_router, _add_rmsnorm_mxfp8_router_fake)
     register_op("gpt_oss_moe_mxfp8", _gpt_oss_moe_mxfp8, _gpt_oss_moe_mxfp8_fake)
+    register_op("linear_f32", _linear_f32, _linear_f32_fake)
 
 
 _register_ops()  # once per process (module import); the dispatch key is the current platform's
@@ -148,14 +165,15 @@ def add_rmsnorm_mxfp8_router(x: torch.Tensor, residual: torch.Tensor, weight: to
 
 def gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,
                       expert_map: torch.Tensor | None = None, l2_key: str = "", residual: torch.Tensor | None = None,
-                      norm_key: str = "") -> torch.Tensor:
+                      norm_key: str = "", f32_out: bool = False) -> torch.Tensor:
     """bf16 [T, H]: gpt-oss routed experts on MXFP8 activations (``kernels.moe.moe_block``); under
     expert parallelism this rank's share (``expert_map`` int32 [E], global -> local or -1). ``l2_key``:
     the block's key in ``vllm_sm121.l2_plan`` (its L2 prefetches; "" none). ``norm_key`` (with the
     block's ``residual``): the next layer's carried input norm (``vllm_sm121/moe/carry.py``) is
-    written too, for up to ``kernels.next_norm.carry_tokens()`` tokens."""
+    written too, for up to ``kernels.next_norm.carry_tokens()`` tokens. ``f32_out``: the rank's share
+    in fp32, unrounded (for an fp32 all-reduce; ``fp32_reduce``)."""
     return torch.ops.sm121.gpt_oss_moe_mxfp8(x, x_scale, router_logits, w13, w13_scale, w13_bias, w2, w2_scale,
-                                             w2_bias, topk, expert_map, l2_key, residual, norm_key)
+                                             w2_bias, topk, expert_map, l2_key, residual, norm_key, f32_out)
 
 
 # ---- the block -------------------------------------------------------------------------------
@@ -168,11 +186,13 @@ def routed_experts_of(mlp: torch.nn.Module):
 
 def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
                        mlp: torch.nn.Module, router_in_norm: bool = False,
-                       l2_key: str = "", norm_out_key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                       l2_key: str = "", norm_out_key: str = "",
+                       fp32_reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's ``post_attention_layernorm(h, residual)`` + ``mlp(h)``, with the norm emitting MXFP8
     for the experts (and, ``router_in_norm``, the router's logits): returns (MoE output bf16 [T, H],
     the updated residual). ``norm_out_key``: FC2 also writes the next layer's carried input norm
-    (one rank only: no all-reduce follows)."""
+    (one rank only: no all-reduce follows). ``fp32_reduce`` (TP / EP): the ranks' shares are
+    all-reduced in fp32 and rounded to bf16 once after it, as one rank rounds its whole sum."""
     if router_in_norm:
         residual, xq, xs, router_logits = add_rmsnorm_mxfp8_router(
             hidden_states, residual, norm.weight, norm.variance_epsilon, mlp.router.weight, mlp.router.bias)
@@ -180,15 +200,60 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
         y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
         router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
+    par = e.moe_config.moe_parallel_config
+    shared = par.tp_size > 1 or par.ep_size > 1  # each rank holds a share of the experts' sum
     out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
                             e.w2_weight_scale, e.w2_bias, e.quant_method.topk, local_expert_map(e), l2_key,
-                            residual if norm_out_key else None, norm_out_key)
-    par = e.moe_config.moe_parallel_config
-    if par.tp_size > 1 or par.ep_size > 1:  # each rank holds a share of the experts' sum
+                            residual if norm_out_key else None, norm_out_key, shared and fp32_reduce)
+    if shared:
         from vllm.distributed import tensor_model_parallel_all_reduce
 
-        out = tensor_model_parallel_all_reduce(out)
+        out = tensor_model_parallel_all_reduce(out).to(torch.bfloat16)
     return out, residual
+
+
+def o_proj_fp32_reduce_unsupported_reason(attn: torch.nn.Module) -> str | None:
+    """Why this attention's o_proj cannot take ``o_proj_fp32_reduce`` (None: it can): it must be
+    upstream's RowParallelLinear over a TP group of more than one rank, reducing its own result,
+    on bf16 weights or the plugin's FP8 ones, inside upstream's OAIAttention."""
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.models.gpt_oss import OAIAttention
+
+    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod
+
+    o = getattr(attn, "o_proj", None)
+    checks = (
+        (not isinstance(attn, OAIAttention) or type(attn).forward is not OAIAttention.forward,
+         "attention is not upstream's OAIAttention"),
+        (not isinstance(o, RowParallelLinear) or type(o).forward is not RowParallelLinear.forward,
+         "o_proj is not upstream's RowParallelLinear"),
+        (getattr(o, "tp_size", 1) <= 1, "one rank"),
+        (not getattr(o, "reduce_results", False) or not getattr(o, "input_is_parallel", False)
+         or getattr(o, "skip_bias_add", False), "o_proj does not reduce its own full result"),
+        (type(getattr(o, "quant_method", None)) not in (UnquantizedLinearMethod, Sm121DenseFp8LinearMethod),
+         "o_proj weights neither bf16 nor the plugin's FP8"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+def o_proj_fp32_reduce(o_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``o_proj(x)[0]`` of a row-parallel o_proj (``o_proj_fp32_reduce_unsupported_reason``) with the
+    rank's partial product in fp32 (bias on rank 0, as upstream), all-reduced in fp32 over vLLM's TP
+    group and rounded to bf16 once: what one rank computes, up to fp32 summation order, where
+    upstream rounds each rank's partial and then their bf16 sum."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod, dense_fp8_linear
+
+    bias = o_proj.bias if o_proj.tp_rank == 0 else None
+    if isinstance(o_proj.quant_method, Sm121DenseFp8LinearMethod):
+        y = dense_fp8_linear(x, o_proj.weight, o_proj.weight_scale, bias, f32_out=True)
+    else:
+        y = torch.ops.sm121.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), o_proj.weight, bias)
+    return tensor_model_parallel_all_reduce(y).to(x.dtype)
 
 
 def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | None:
@@ -341,15 +406,19 @@ def norm_in_qkv_unsupported_reason(block: torch.nn.Module) -> str | None:
 
 
 def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor,
-                        kv_in_qkv: bool = False, norm: tuple | None = None):
+                        kv_in_qkv: bool = False, norm: tuple | None = None, fp32_reduce: bool = False):
     """Upstream's ``OAIAttention.forward`` with the rotation inside the qkv GEMV
     (``sm121::dense_fp8_linear_rope``); with ``kv_in_qkv`` the GEMV writes the KV cache too
     (``sm121::dense_fp8_linear_rope_kv``) and the attention op runs without vLLM's own
     ``unified_kv_cache_update`` (``Attention.forward`` otherwise, for this backend and layer).
     ``norm=(residual, input_layernorm, key)``: ``hidden_states`` is the previous layer's output and
     the input norm runs in the same op (``sm121::dense_fp8_linear_rope_norm``, carried from the
-    previous FC2 under ``key`` at decode); returns (output, the new residual) then."""
+    previous FC2 under ``key`` at decode); returns (output, the new residual) then. ``fp32_reduce``:
+    o_proj through ``o_proj_fp32_reduce``."""
     from vllm_sm121.dense.method import dense_fp8_linear_rope, dense_fp8_linear_rope_kv, dense_fp8_linear_rope_norm
+
+    def o_proj(x):
+        return o_proj_fp32_reduce(attn.o_proj, x) if fp32_reduce else attn.o_proj(x)[0]
 
     qkv_proj = attn.qkv_proj
     args = (hidden_states, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, positions,
@@ -359,12 +428,10 @@ def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, posi
         qkv, residual = dense_fp8_linear_rope_norm(hidden_states, residual, layernorm.weight, layernorm.variance_epsilon,
                                                    *args[1:], key)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        output, _ = attn.o_proj(attn.attn(q, k, v))
-        return output, residual
+        return o_proj(attn.attn(q, k, v)), residual
     if not kv_in_qkv:
         q, k, v = dense_fp8_linear_rope(*args).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        output, _ = attn.o_proj(attn.attn(q, k, v))
-        return output
+        return o_proj(attn.attn(q, k, v))
     from vllm.utils.torch_utils import _encode_layer_name
 
     layer = attn.attn
@@ -375,8 +442,15 @@ def hooked_attn_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, posi
         q.view(-1, layer.num_heads, layer.head_size), k.view(-1, layer.num_kv_heads, layer.head_size),
         v.view(-1, layer.num_kv_heads, layer.head_size_v), out.view(-1, layer.num_heads, layer.head_size_v),
         _encode_layer_name(layer.layer_name), kv_cache_dummy_dep=dep)
-    output, _ = attn.o_proj(out)
-    return output
+    return o_proj(out)
+
+
+def attn_forward_fp32_reduce(attn: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor):
+    """Upstream's ``OAIAttention.forward`` with o_proj through ``o_proj_fp32_reduce``."""
+    qkv, _ = attn.qkv_proj(hidden_states)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = attn.rotary_emb(positions, q, k)
+    return o_proj_fp32_reduce(attn.o_proj, attn.attn(q, k, v))
 
 
 class Sm121GptOssBlock(TransformerBlock):
@@ -433,6 +507,19 @@ class Sm121GptOssBlock(TransformerBlock):
 
                 init_logger("vllm.sm121").warning_once(
                     "gpt-oss: $VLLM_SM121_KV_IN_QKV=1 is not applied (%s); vLLM writes the KV cache", why)
+        # fp32 all-reduces of the o_proj and MoE shares under TP / EP (default on since stop 34,
+        # $VLLM_SM121_TP_FP32_REDUCE=0 turns it off; a traced choice): TP=1's bf16 roundings at TP=2.
+        self.sm121_fp32_reduce_moe = self.sm121_fp32_reduce_o = False
+        if self.sm121_fused_moe and choices.get("tp_fp32_reduce", True):
+            par = routed_experts_of(self.mlp).moe_config.moe_parallel_config
+            self.sm121_fp32_reduce_moe = par.tp_size > 1 or par.ep_size > 1
+            why = o_proj_fp32_reduce_unsupported_reason(self.attn)
+            self.sm121_fp32_reduce_o = why is None
+            if why is not None and why != "one rank":
+                from vllm.logger import init_logger
+
+                init_logger("vllm.sm121").info_once(
+                    "gpt-oss: o_proj's all-reduce stays upstream's bf16 one (%s)", why)
         # The input norm carried from the previous layer's FC2 into the qkv GEMV (default on since stop 33,
         # $VLLM_SM121_NORM_IN_QKV=0 turns it off; a traced choice): vllm_sm121/moe/carry.py links consecutive blocks.
         self.sm121_norm_in_key = ""  # this block's qkv op reads the carried norm under this key
@@ -463,7 +550,8 @@ class Sm121GptOssBlock(TransformerBlock):
         rope_in_qkv = self.sm121_rope_in_qkv and isinstance(self.attn.qkv_proj.quant_method, self._sm121_dense_fp8)
         if residual is not None and rope_in_qkv and self.sm121_norm_in_key:  # the input norm inside the qkv op
             hidden_states, residual = hooked_attn_forward(
-                self.attn, hidden_states, positions, norm=(residual, self.input_layernorm, self.sm121_norm_in_key))
+                self.attn, hidden_states, positions, norm=(residual, self.input_layernorm, self.sm121_norm_in_key),
+                fp32_reduce=self.sm121_fp32_reduce_o)
         else:
             if residual is None:
                 residual = hidden_states
@@ -471,10 +559,14 @@ class Sm121GptOssBlock(TransformerBlock):
             else:
                 hidden_states, residual = self.input_layernorm(hidden_states, residual)
             if rope_in_qkv:
-                hidden_states = hooked_attn_forward(self.attn, hidden_states, positions, self.sm121_kv_in_qkv)
+                hidden_states = hooked_attn_forward(self.attn, hidden_states, positions, self.sm121_kv_in_qkv,
+                                                    fp32_reduce=self.sm121_fp32_reduce_o)
+            elif self.sm121_fp32_reduce_o:
+                hidden_states = attn_forward_fp32_reduce(self.attn, hidden_states, positions)
             else:
                 hidden_states = self.attn(hidden_states, positions)
         # Fully connected: one norm kernel (bf16 + MXFP8), router, MoE on MXFP8 (which carries the
         # next layer's input norm where sm121_norm_out_key).
         return hooked_mlp_forward(hidden_states, residual, self.post_attention_layernorm, self.mlp,
-                                  self.sm121_router_in_norm, self.sm121_l2_key, self.sm121_norm_out_key)
+                                  self.sm121_router_in_norm, self.sm121_l2_key, self.sm121_norm_out_key,
+                                  self.sm121_fp32_reduce_moe)
