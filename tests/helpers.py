@@ -198,12 +198,13 @@ def generate_and_score(llm, prompts, gen: int = 0):
     return prompt_lp, ids, gen_lp
 
 
-def run_engine(prompts, *, gen: int = 0, graphs=False, probe=None, **llm_kwargs):
+def run_engine(prompts, *, gen: int = 0, graphs=False, probe=None, setup=None, **llm_kwargs):
     """One vLLM engine as the end-to-end GPU tests start it (random checkpoint, no tokenizer,
     4k context, 30% of the card, no prefix cache, seed 0; eager, or ``graphs`` = a cudagraph_mode
     name with capture sizes <= 8), scored by ``generate_and_score``, then torn down. With
     ``probe`` (a function of the worker, run by ``LLM.collective_rpc`` after the requests):
-    returns (scores, the probe's per-worker results)."""
+    returns (scores, the probe's per-worker results). ``setup``: a function of the worker run the same
+    way before the requests (e.g. installing hooks the probe reads)."""
     import gc
     import os
 
@@ -218,6 +219,8 @@ def run_engine(prompts, *, gen: int = 0, graphs=False, probe=None, **llm_kwargs)
                 enable_prefix_caching=False, seed=0)
     llm = LLM(**{**base, **mode, **llm_kwargs})
     try:
+        if setup is not None:
+            llm.collective_rpc(setup)
         scores = generate_and_score(llm, prompts, gen)
         return (scores, llm.collective_rpc(probe)) if probe is not None else scores
     finally:

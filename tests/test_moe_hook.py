@@ -578,6 +578,59 @@ def test_block_with_rope_in_qkv_traces_into_one_graph(env):
     assert torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
 
 
+class _QkvCall(torch.nn.Module):
+    """A qkv_proj called as upstream calls it (returns (out, None)), on the stand-in's FP8 weights."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, h):
+        from vllm_sm121.dense.method import dense_fp8_linear
+
+        return dense_fp8_linear(h, self.w.weight, self.w.weight_scale, self.w.bias), None
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["fp8-qkv", "upstream-attention"])
+def test_block_with_fp32_reduces_traces_into_one_graph(env, monkeypatch, rope):
+    """Under TP (simulated: the MoE's parallel config says 2 ranks, the all-reduce is the identity)
+    with the fp32 reduces on, the block compiles into one Dynamo graph holding the fp32 o_proj and
+    the fp32 MoE op, and gives the eager numbers, which round o_proj and the experts once."""
+    import vllm.distributed
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    block = build_block(env, "mxfp8", seed=9)
+    block.attn = _Fp8Attention(env, 3, lambda q, k, v: q * 2 + torch.cat((k, v), dim=-1).sum(-1, keepdim=True))
+    if not rope:  # upstream's OAIAttention.forward order, with the qkv as a plain module call
+        block.attn.qkv_proj = _QkvCall(block.attn.qkv_proj)
+    g = torch.Generator().manual_seed(4)
+    o = torch.nn.Module()
+    o.tp_rank, o.quant_method = 0, UnquantizedLinearMethod()
+    o.register_parameter("weight", torch.nn.Parameter((torch.randn(64, 64, generator=g) * 0.1).bfloat16(),
+                                                      requires_grad=False))
+    o.register_parameter("bias", torch.nn.Parameter(torch.randn(64, generator=g).bfloat16(), requires_grad=False))
+    object.__setattr__(block.attn, "o_proj", o)  # (an instance attribute: the stand-in's o_proj is a method)
+    block.sm121_rope_in_qkv = rope
+    block.sm121_fp32_reduce_o = block.sm121_fp32_reduce_moe = True
+    reduced = []
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", lambda t: reduced.append(t.dtype) or t)
+    experts = block.mlp.experts.routed_experts
+    par = experts.moe_config.moe_parallel_config
+    experts.moe_config.moe_parallel_config = dataclasses.replace(par, tp_size=2)
+    x, _, res0 = _inputs(3, seed=2)
+    pos = torch.tensor([5, 900, 77])
+    try:
+        with torch.no_grad():
+            targets, out_c, r_c = _compiled_once(block, x, pos, res0)
+            reduced.clear()
+            out_e, r_e = block.forward(x, pos, res0.clone())
+    finally:
+        experts.moe_config.moe_parallel_config = par
+    assert "sm121.linear_f32" in targets and "sm121.gpt_oss_moe_mxfp8" in targets, targets
+    assert reduced == [torch.float32, torch.float32]  # o_proj's and the experts' shares
+    assert out_e.dtype == torch.bfloat16 and torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
+
+
 @pytest.mark.interpreter
 def test_block_with_kv_in_qkv_traces_into_one_graph_and_fills_the_cache(env, monkeypatch):
     """With the KV write in the qkv GEMV switched on, the block's forward compiles into one Dynamo

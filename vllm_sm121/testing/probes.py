@@ -18,3 +18,35 @@ def carried_norm_layers(worker) -> int:
     model = worker.model_runner.model
     layers = getattr(getattr(model, "model", model), "layers", [])
     return sum(1 for layer in layers if getattr(layer, "sm121_norm_in_key", ""))
+
+
+DUMP_TOKENS = 200  # the token count of the one forward the dumps record (tests/test_tp_gpu.py)
+
+
+def install_layer_dumps(worker) -> int:
+    """Forward hooks on each gpt-oss layer of this worker's model that keep, from the first forward
+    of exactly DUMP_TOKENS tokens, the attention core's output (this rank's heads, before o_proj)
+    and the block's outputs (the MoE output and the residual, both whole after the all-reduces), as
+    fp32 CPU tensors in ``worker._sm121_dumps``; returns the number of layers hooked. Eager engines
+    only (hooks do not run inside compiled graphs)."""
+    model = worker.model_runner.model
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    store: dict = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            outs = out if isinstance(out, tuple) else (out,)
+            if name not in store and outs[0].shape[0] == DUMP_TOKENS:
+                store[name] = [o.detach().float().cpu() for o in outs if hasattr(o, "detach")]
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(keep(f"{i}.block"))
+        layer.attn.attn.register_forward_hook(keep(f"{i}.attn"))
+    worker._sm121_dumps = store
+    return len(layers)
+
+
+def layer_dumps(worker) -> dict:
+    """What ``install_layer_dumps`` kept: {"<layer>.attn": [out], "<layer>.block": [mlp out, residual]}."""
+    return getattr(worker, "_sm121_dumps", {})
