@@ -35,7 +35,10 @@ Architecture
 Constraints
     The fused path takes tensor parallelism (each rank's intermediate shard) and expert
     parallelism (the rank's experts, ``expert_map``) over one TP group, and then all-reduces the
-    experts' output itself, as vLLM's MoE runner would (``tensor_model_parallel_all_reduce``). It
+    experts' output itself, as vLLM's MoE runner would (``tensor_model_parallel_all_reduce``): by
+    default in fp32, each rank's share unrounded and the sum rounded to bf16 once, and likewise
+    o_proj's (``o_proj_fp32_reduce``; $VLLM_SM121_TP_FP32_REDUCE=0 gives upstream's bf16 reduces;
+    upstream proposal ``patches/vllm/0008-row-parallel-fp32-all-reduce.patch``). It
     needs DP = PCP = 1 and no sequence-parallel MoE (no token dispatch/combine), no LoRA, no
     batch-invariant mode,
     bf16 activations, not ROCm (upstream's router uses a ROCm-only GEMM there), and upstream's
