@@ -230,10 +230,11 @@ def norm_specs(family: str) -> list[Spec]:
 
 
 def _stop31_variants(spec: Spec) -> list[Spec]:
-    """An FMA GEMV spec with the scale bytes as int32 loads ($VLLM_SM121_MOE_SCALE_LDG) and with fp16
-    group chains ($VLLM_SM121_MOE_FMA_F16X2=2), both opt-in."""
+    """An FMA GEMV spec with the scale bytes as int32 loads ($VLLM_SM121_MOE_SCALE_LDG, opt-in) and with
+    fp16 word products ($VLLM_SM121_MOE_FMA_F16X2=1; the specs' base is the default since stop 34,
+    fp16 group chains, F16X2=2)."""
     return [dataclasses.replace(spec, name=spec.name[:-1] + f", {tag}]", constexprs=dict(spec.constexprs, **extra))
-            for tag, extra in (("scale ldg", dict(SCALE_LDG=True)), ("fp16 group chains", dict(F16X2=2)))]
+            for tag, extra in (("scale ldg", dict(SCALE_LDG=True)), ("fp16 word products", dict(F16X2=1)))]
 
 
 def moe_specs(family: str) -> list[Spec]:
@@ -268,7 +269,7 @@ def moe_specs(family: str) -> list[Spec]:
              ptr_types=dict(part_ptr="*fp32", out_ptr="*bf16"), num_warps=4),
     ]
     for nt in (1, 4):  # the FMA decode GEMVs (M <= 4): one and four token accumulators, with their tiles
-        fma = M.FMA_TILES_F16X2[(family, min(nt, 2))]  # packed fp16 products (F16X2=True) and the opt-ins below
+        fma = M.FMA_TILES_F16X2[(family, min(nt, 2))]  # fp16 group chains (F16X2=2, the default) and the others below
         fc2_warps, fc2_stages = fma.fc2_launch()
         split, gps = M.fc2_split_k(2880, fma.fc2_kb // 16, fma.fc2_split)
         split1, gps1 = M.fc2_split_k(2880, fma.fc1_kb // 16, fma.fc1_split)
@@ -276,7 +277,7 @@ def moe_specs(family: str) -> list[Spec]:
         specs.append(Spec(
             name=f"moe_fc1_swiglu_fma[gpt-oss K2880 I2880 top4, M{nt}]", fn=_moe_fc1_swiglu_fma_kernel,
             constexprs=dict(common, K=2880, I=2880, BLOCK_R=fma.fc1_rows, BLOCK_G=fma.fc1_kb // 16,
-                            PREFETCH=fma.num_stages > 1, F16X2=True, ALPHA=1.702, LIMIT=7.0, HW_FP8=True,
+                            PREFETCH=fma.num_stages > 1, F16X2=2, ALPHA=1.702, LIMIT=7.0, HW_FP8=True,
                             SPLIT=split1, GPS=gps1, w_desc=None),
             ptr_types=dict(mx, a_ptr="*i32", a_scale_ptr="*u8", w_ptr="*i32", out_ptr="*u8", out_scale_ptr="*u8",
                            cnt_ptr="*i32"),
@@ -284,7 +285,7 @@ def moe_specs(family: str) -> list[Spec]:
         specs.append(Spec(
             name=f"moe_fc2_fma[gpt-oss H2880 I2880 top4, M{nt}]", fn=_moe_fc2_fma_kernel,
             constexprs=dict(common, H=2880, I=2880, BLOCK_R=fma.fc2_rows, BLOCK_G=fma.fc2_kb // 16,
-                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=True, w_desc=None),
+                            SPLIT=split, GPS=gps, PREFETCH=fc2_stages > 1, F16X2=2, w_desc=None),
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]

@@ -109,9 +109,9 @@ def test_fma_moe_tma_variants_pipeline_bulk_tensor_copies_on_sm90_only(record):
 
     tma = {n: i for n, i in record["sm_90a"].items() if "TMA" in n}
     # FC1 and FC2, with 1 and 4 token accumulators; at one token also with the opt-in scale loads
-    # ($VLLM_SM121_MOE_SCALE_LDG) and fp16 group chains ($VLLM_SM121_MOE_FMA_F16X2=2)
+    # ($VLLM_SM121_MOE_SCALE_LDG) and fp16 word products ($VLLM_SM121_MOE_FMA_F16X2=1)
     assert len([n for n in tma if re.search(r"TMA \d+ stages\]$", n)]) == 4, sorted(tma)
-    assert len([n for n in tma if n.endswith(("scale ldg]", "group chains]"))]) == 4, sorted(tma)
+    assert len([n for n in tma if n.endswith(("scale ldg]", "word products]"))]) == 4, sorted(tma)
     for name, info in tma.items():
         assert any(i.startswith("cp.async.bulk.tensor") for i in info["instructions"]), name
         stages = int(re.search(r"TMA (\d+) stages", name).group(1))

@@ -522,7 +522,7 @@ def test_fma_pdl_launches_equal_plain_launches_on_gpu(m, monkeypatch):
                                      (3, "64,256,32,256,4,2,4,2,2,3")])
 @pytest.mark.parametrize("mode", ["1", "2"])
 def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, mode, monkeypatch):
-    """The packed-fp16 products (the default on a GPU; $VLLM_SM121_MOE_FMA_F16X2=1) against the exact
+    """The packed-fp16 products per word ($VLLM_SM121_MOE_FMA_F16X2=1) against the exact
     fp32 integer decode of the same kernels ($VLLM_SM121_MOE_FMA_F16X2=0), gpt-oss-120b layer, with each setting's
     default tiles (FMA_TILES_F16X2 vs FMA_TILES) or both with FC1 / FC2 split-K. One GEMV differs by
     ~1.5e-4 rel L2 (CPU emulation), but FC1's MXFP8 rounding flips a few values by a whole e4m3
@@ -530,7 +530,8 @@ def test_fma_f16x2_products_match_exact_path_on_gpu(m, tiles, mode, monkeypatch)
     tiles both settings then shared; the packed products' own tiles at beb4e57: 3.1e-3 / 3.4e-3 from
     the MXFP8 reference in benchmarks/moe.py): bound
     1e-2 (MXFP8 activations are ~4e-2 from bf16); FC1's MXFP8 outputs >= 95% identical. Mode "2"
-    ($VLLM_SM121_MOE_FMA_F16X2=2, opt-in): whole-group fp16 chains, held to the same bounds."""
+    ($VLLM_SM121_MOE_FMA_F16X2=2, the GPU default since stop 34): whole-group fp16 chains, held to the
+    same bounds."""
     from vllm_sm121.kernels import moe as K
 
     args = _gpt_oss_layer(128, seed=40 + m)

@@ -24,7 +24,8 @@ padding the tokens to an MMA N of 16 buys nothing, the cost is streaming the wei
   then the 4 words of a vector (all in one thread, no shuffle), into a [BLOCK_R, BLOCK_KW / 4]
   fp32 accumulator per token; ``tl.sum`` over K once at the end.
 * Epilogue: (sum * 2**(120 - X_EXP)) * scale (two multiplies: scale * 2**56 alone could
-  overflow for large rows) + bias, one bf16 rounding (``to_bf16_rne``).
+  overflow for large rows) + bias, one bf16 rounding (``to_bf16_rne``; an fp32 ``out`` gets the
+  unrounded value: a row-parallel shard's partial under TP).
 
 Everything is plain loads, integer / fp32 arithmetic and ``tl.sum``: no MMA, no cp.async,
 nothing sm_90-only.

@@ -5,7 +5,8 @@ weights streamed once for every token routed there, ``tl.dot_scaled`` with token
 program writes its tokens' w_j * (h_j W2[e]^T + b2[e]) as fp32 partials [M * TOPK, H] (row =
 token * TOPK + slot; a slot repeated in one token gets zeros, its weight is summed into the
 first). ``_moe_combine_kernel`` sums each token's TOPK partials (fixed order: deterministic, no
-atomics, no zero fill) and rounds once to bf16.
+atomics, no zero fill) and rounds once to bf16 (or stores the fp32 sum for an fp32 ``out``: a
+rank's share under TP / EP, rounded after the all-reduce).
 """
 
 import triton
@@ -75,7 +76,7 @@ def _moe_fc2_kernel(
 @triton.jit
 def _moe_combine_kernel(
     part_ptr,  # [M * TOPK, H] fp32
-    out_ptr,  # [M, H] bf16: sum over the TOPK partials of each token
+    out_ptr,  # [M, H] bf16 (or fp32, unrounded: a rank's share under TP / EP): sum over the TOPK partials
     H: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,

@@ -43,8 +43,8 @@ Cost (sm_90a SASS, 64 x 256-byte tile, 4 warps, one token): ~5.2 instructions pe
 
 Opt-ins (GPU only, ``kernels/moe.py``): F16X2, packed fp16 products (``_e2m1_pairs_f16``,
 ``_e4m3_pairs_f16``, ``_dot8_f16``: ~3.1 instructions per weight value, each word's 8-term sum
-rounded to fp16 once; the GPU default), or F16X2 == 2 (``_dot32_f16``: each 32-value group in one
-fp16 chain); PDL, programmatic dependent launch of FC1 -> FC2 -> combine
+rounded to fp16 once), or F16X2 == 2 (``_dot32_f16``: each 32-value group in one fp16 chain; the
+GPU default since stop 34); PDL, programmatic dependent launch of FC1 -> FC2 -> combine
 (``_mx.pdl_wait_then_release``: FC1 waits first thing, FC2 after its routing and any prefetched
 first weights); ACT_LDG (``_ldg_nc_pair``) and SCALE_LDG (``_ldg_u8``), plain ``ld.global.nc``
 loads of the activation words and of the scale bytes.
@@ -145,7 +145,7 @@ _DOT32_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 32))
 
 @triton.jit
 def _dot32_f16(p0, p1, p2, p3, a0, a1, a2, a3, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-    """F16X2 == 2 (opt-in): a whole 32-value group's products in one fp16x2 multiply-add chain (16
+    """F16X2 == 2 (the GPU default since stop 34): a whole 32-value group's products in one fp16x2 multiply-add chain (16
     of them, the two halves added once, one conversion to fp32 in units of 2**-14) instead of
     ``_dot8_f16`` per word and three fp32 adds: 18 instead of 27 instructions per group. The
     price: the group's 16 partial sums of each half are rounded to fp16 (|sum| <= 32 * 6 * 448 *
@@ -428,7 +428,7 @@ def _moe_fc1_swiglu_fma_kernel(
     BLOCK_R: tl.constexpr,  # weight rows per program: a power of two >= 64 (whole MXFP8 output blocks)
     BLOCK_G: tl.constexpr,  # 32-value groups (16 bytes of a row) per K step, power of two
     PREFETCH: tl.constexpr,  # load the next K step's weights before this step's math
-    F16X2: tl.constexpr,  # packed fp16 products (inline PTX, GPU, opt-in) instead of the exact fp32 decode
+    F16X2: tl.constexpr,  # packed fp16 products (inline PTX, GPU; 2: per group, the default) or 0: exact fp32
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     HW_FP8: tl.constexpr,

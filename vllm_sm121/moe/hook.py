@@ -6,7 +6,8 @@ Architecture
     upstream proposal ``patches/vllm/0004-gpt-oss-fused-norm-mxfp8-moe-hook.patch``). After the
     upstream constructor ran, it decides once per layer (``fused_moe_unsupported_reason``) whether
     its experts run ``Sm121Mxfp4MoEMethod`` in a configuration the fused path covers. If so,
-    ``forward`` runs attention as upstream, then ``hooked_mlp_forward``:
+    ``forward`` runs attention as upstream (under TP with o_proj's share all-reduced in fp32,
+    ``o_proj_fp32_reduce``), then ``hooked_mlp_forward``:
 
         sm121::add_rmsnorm_mxfp8  residual += x; y = rmsnorm(residual) * w  -> y bf16 (router),
                                   y MXFP8 (e4m3 values + e8m0 scale per 32, experts); one kernel
@@ -249,13 +250,20 @@ def o_proj_fp32_reduce(o_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
     upstream rounds each rank's partial and then their bf16 sum."""
     from vllm.distributed import tensor_model_parallel_all_reduce
 
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
     from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod, dense_fp8_linear
 
     bias = o_proj.bias if o_proj.tp_rank == 0 else None
-    if isinstance(o_proj.quant_method, Sm121DenseFp8LinearMethod):
+    qm = o_proj.quant_method  # (read at run time: the FP8 conversion swaps it after the block's construction)
+    if isinstance(qm, Sm121DenseFp8LinearMethod):
         y = dense_fp8_linear(x, o_proj.weight, o_proj.weight_scale, bias, f32_out=True)
-    else:
+    elif type(qm) is UnquantizedLinearMethod:
         y = torch.ops.sm121.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), o_proj.weight, bias)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+    else:
+        raise ValueError(f"o_proj's fp32 all-reduce takes bf16 or the plugin's FP8 weights, not "
+                         f"{type(qm).__name__}; set VLLM_SM121_TP_FP32_REDUCE=0")
     return tensor_model_parallel_all_reduce(y).to(x.dtype)
 
 
