@@ -590,9 +590,10 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     ``l2_next``: a contiguous tensor (the next layer's qkv weight) its programs prefetch into L2, first
     thing or (``l2_late``) after their own weight stream (``l2_prefetch``; GPU only, results unchanged).
     ``next_norm``: the combine also writes the next layer's carried input norm (``kernels/next_norm.py``).
-    ``out_dtype`` torch.float32 (see ``moe_block``): the combine runs as its own launch."""
+    ``out_dtype`` torch.float32 (see ``moe_block``): the sums unrounded, fused combine or not."""
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
-    if _out_dtype(out_dtype) != torch.bfloat16 and next_norm is not None:
+    out_dtype = _out_dtype(out_dtype)
+    if out_dtype != torch.bfloat16 and next_norm is not None:
         raise ValueError("next_norm needs the bf16 output (out_dtype=torch.bfloat16)")
     _check_fma_tokens(m)
     tiles = tiles or fma_tiles(h, m)
@@ -608,7 +609,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     pdl_top = dict(PDL_TOP=True, launch_pdl=True) if not pdl and V.pdl_launch(h) else {}
     tma = _tma_stages(h, stages)
     n_tiles = -(-hidden // rows)
-    combine = fused_combine(m) and out_dtype == torch.bfloat16
+    combine = fused_combine(m)
     cnt = split_counters(h.device, n_tiles, "fc2") if combine and m else part
     pf, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_next, h)
     if pf_kw["PF"]:
@@ -1043,7 +1044,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     result is this rank's share, summed across ranks by the caller's all-reduce. ``out_dtype``
     torch.float32 returns that share unrounded (fp32 sums of the fp32 partials), so that an fp32
     all-reduce and one rounding to bf16 after it give one rank's result up to fp32 summation order
-    (``vllm_sm121/moe/hook.py``, exact TP reductions); the fused combine is off then.
+    (``vllm_sm121/moe/hook.py``, exact TP reductions).
 
     ``l2``: L2 prefetches of the one-chunk FMA path (``L2Plan``; ignored by the other paths).
 

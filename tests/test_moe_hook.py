@@ -505,17 +505,22 @@ def test_kv_in_qkv_switch_and_reasons(env, monkeypatch):
     assert "shares" in hook.kv_in_qkv_unsupported_reason(shared, nvfp4)
 
 
-def test_opcheck_qkv_rope_op():
-    """``sm121::dense_fp8_linear_rope``: schema and fake implementation, on the fused (few tokens) and
-    the unfused path."""
-    from vllm_sm121.dense import method  # registers the op
+def _qkv_op_weights(g: torch.Generator):
+    """(FP8 codes [256, 64], scales, bf16 bias, fp32 cos/sin cache [512, 64]) for the qkv ops' opchecks;
+    importing the dense method registers the ops."""
+    from vllm_sm121.dense import method
     from vllm_sm121.kernels import dense as D
 
     assert method is not None
-    g = torch.Generator().manual_seed(6)
     q8, s8 = D.fp8_per_channel_quantize((torch.randn(256, 64, generator=g) * 0.3).bfloat16())
-    bias = torch.randn(256, generator=g).bfloat16()
-    cache = torch.rand(512, 64, generator=g)
+    return q8, s8, torch.randn(256, generator=g).bfloat16(), torch.rand(512, 64, generator=g)
+
+
+def test_opcheck_qkv_rope_op():
+    """``sm121::dense_fp8_linear_rope``: schema and fake implementation, on the fused (few tokens) and
+    the unfused path."""
+    g = torch.Generator().manual_seed(6)
+    q8, s8, bias, cache = _qkv_op_weights(g)
     for t in (2, 7):
         x = torch.randn(t, 64, generator=g).bfloat16()
         pos = torch.randint(0, 512, (t,), generator=g)
@@ -783,14 +788,8 @@ def test_norm_in_qkv_switch_and_reasons(env, monkeypatch):
 def test_opcheck_qkv_norm_op():
     """``sm121::dense_fp8_linear_rope_norm``: schema and fake implementation on the unlinked path
     (the op's own norm; the carried path reads registered buffers)."""
-    from vllm_sm121.dense import method  # registers the op
-    from vllm_sm121.kernels import dense as D
-
-    assert method is not None
     g = torch.Generator().manual_seed(8)
-    q8, s8 = D.fp8_per_channel_quantize((torch.randn(256, 64, generator=g) * 0.3).bfloat16())
-    bias = torch.randn(256, generator=g).bfloat16()
-    cache = torch.rand(512, 64, generator=g)
+    q8, s8, bias, cache = _qkv_op_weights(g)
     for t in (2, 7):
         x = torch.randn(t, 64, generator=g).bfloat16()
         res = torch.randn(t, 64, generator=g).bfloat16()

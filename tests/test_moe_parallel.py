@@ -242,8 +242,7 @@ def test_fp32_shares_reproduce_the_unsharded_bf16_output(device, path, m, kind):
     shares, summed and rounded to bf16 once, give the unsharded block's bf16 values except where fp32
     summation order crosses a rounding boundary; summing bf16-rounded shares (upstream's bf16
     all-reduce) moves many more elements. Exactly the bf16 output where one rank holds everything.
-    At one token the bf16 output comes from the combine fused into FC2 (the default there), the fp32
-    one from the combine launch."""
+    At one token both come from the combine fused into FC2 (the default there)."""
     weights = _full(seed=4)
     x, logits = _inputs(m, seed=5)
     full = K.moe_block(x.to(device), logits.to(device), *[w.to(device) for w in weights], TOPK, path=path).cpu()

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from .._prefetch import prefetch_l2, prefetch_l2_grid
 from .._sync import last_to_arrive as _last_to_arrive
-from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, to_bf16_rne
+from ..kv_cache_details._codecs import _pow2, e4m3_word_byte, store_rounded, to_bf16_rne
 from ..norm_mxfp8_details._next_norm import next_norm_inputs, next_norm_store, row_of
 from ._moe_route import route_rows
 from ._mx import mxfp8_quantize_rows_fast, pdl_wait_then_release, routed_tokens, routed_tokens_of
@@ -553,7 +553,8 @@ def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLI
     """The combine without its launch: every program of row tile program_id(1) arrives here once
     (after storing its partials; a duplicate slot's program at once). The one that arrives last
     (``_last_to_arrive`` of M * TOPK_SPLIT) sums each token's TOPK_SPLIT partial rows in order from
-    zero, exactly as ``_moe_combine_kernel``, into bf16 ``out`` [M, H]; with NEXT_NORM it also
+    zero, exactly as ``_moe_combine_kernel``, into bf16 ``out`` [M, H] (an fp32 ``out``: the sums
+    unrounded, a rank's share under TP / EP); with NEXT_NORM (bf16 ``out``) it also
     stores the next layer's carried input norm of those columns (``next_norm_store``; nn_r / nn_w:
     the tile's residual rows [BLOCK_T, BLOCK_R] and norm weight from ``next_norm_inputs``)."""
     tile = tl.program_id(1)
@@ -564,10 +565,9 @@ def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLI
             acc = tl.zeros([BLOCK_R], dtype=tl.float32)
             for j in tl.static_range(TOPK_SPLIT):
                 acc += tl.load(part_ptr + (t * TOPK_SPLIT + j) * H + rows, mask=ok, other=0.0, cache_modifier=".cg")
-            o = to_bf16_rne(acc)
-            tl.store(out_ptr + t * H + rows, o, mask=ok)
+            store_rounded(out_ptr + t * H + rows, acc, ok)
             if NEXT_NORM:
-                next_norm_store(o.to(tl.float32), row_of(nn_r, t, BLOCK_T), nn_w, t, t < M, tile * BLOCK_R, nn_s_ptr,
+                next_norm_store(to_bf16_rne(acc).to(tl.float32), row_of(nn_r, t, BLOCK_T), nn_w, t, t < M, tile * BLOCK_R, nn_s_ptr,
                                 nn_u_ptr, nn_ps_ptr, H, BLOCK_R)
 
 
