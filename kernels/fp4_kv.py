@@ -105,15 +105,19 @@ def global_scale_for(amax: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate_global_scales(key: torch.Tensor, value: torch.Tensor, global_scales: torch.Tensor,
-                            done: torch.Tensor) -> None:
+                            done: torch.Tensor, reduce_amax=None) -> None:
     """Set ``global_scales`` [2] (K, V; fp32) from this batch unless ``done`` [2] (bool) says set.
 
     Device-only (graph-safe, no host sync): ``g = global_scale_for(amax)`` where amax is finite
-    and > 0; otherwise the scale is left as it was and ``done`` stays False.
+    and > 0; otherwise the scale is left as it was and ``done`` stays False. ``reduce_amax``: maps
+    this batch's [2] amax to the whole layer's (tensor parallelism: the max over the ranks' heads,
+    so every rank calibrates as one unsharded layer would, and all ranks agree on ``done``).
     """
     amax = torch.stack([key.abs().amax(), value.abs().amax()]).float() if key.numel() else None
     if amax is None:
         return
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
     ok = torch.isfinite(amax) & (amax > 0) & ~done
     safe = torch.where(ok, amax, 1.0)  # log2 of 0 / inf / NaN never reaches the result
     global_scales.copy_(torch.where(ok, global_scale_for(safe), global_scales))

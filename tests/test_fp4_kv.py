@@ -148,6 +148,32 @@ def test_global_scale_calibration_is_set_once_and_never_zero():
     torch.testing.assert_close(g[1], want(k * 2), rtol=1e-6, atol=0)
 
 
+def test_tp_ranks_calibrate_as_the_unsharded_layer():
+    """Under TP each rank holds half the KV heads; with ``reduce_amax`` (the impl passes a max over
+    vLLM's TP group) both ranks set the scales TP=1 sets, and agree on ``done``, where their own
+    heads alone would give other scales (the second rank's heads here are 8x larger)."""
+    from vllm_sm121.kernels.fp4_kv import calibrate_global_scales, default_global_scale
+
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(5, 4, 64, generator=gen) * torch.tensor([1.0, 1.0, 8.0, 8.0])[None, :, None]
+    v = torch.randn(5, 4, 64, generator=gen) * torch.tensor([3.0, 3.0, 0.5, 0.5])[None, :, None]
+
+    def calibrated(key, value, reduce_amax=None):
+        g, done = torch.full((2,), default_global_scale()), torch.zeros(2, dtype=torch.bool)
+        calibrate_global_scales(key, value, g, done, reduce_amax=reduce_amax)
+        return g, done
+
+    whole, _ = calibrated(k, v)
+    halves = [(k[:, :2], v[:, :2]), (k[:, 2:], v[:, 2:])]
+    amaxes = [torch.stack([a.abs().amax(), b.abs().amax()]) for a, b in halves]
+    group_max = lambda a: torch.stack(amaxes).amax(0)  # noqa: E731  (what the all-gather + max returns)
+    for a, b in halves:
+        g, done = calibrated(a, b, group_max)
+        assert torch.equal(g, whole) and done.all()
+    own = [calibrated(a, b)[0] for a, b in halves]
+    assert not torch.equal(own[0], whole) and not torch.equal(own[1], whole)  # the test can fail
+
+
 def test_power_of_two_global_scales_store_the_same_values():
     """Two calibrations (other batch, other tensor-parallel head split) give scales 2**k apart:
     the dequantized cache is bit-identical for blocks whose e4m3 scale stays normal."""

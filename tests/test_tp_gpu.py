@@ -30,7 +30,7 @@ spread + 1e-3), teacher-forced prompt logprobs:
 
 Engines per test (each ~35-60 s on an H100 pair): fixtures ``upstream`` 2, ``moe_spread`` 2 and ``tile_knob`` 2;
 attention 1, MoE 3, graphs 2, upstream chunks 1, each nvfp4 case 4 (chunk spread) or 4 (tile spread) or 3 (upstream
-spread), per-layer divergence 3. Select with ``-k`` (gpu_session
+spread), per-layer divergence 4. Select with ``-k`` (gpu_session
 ``TP_K``) to fit a 10-minute call.
 """
 
@@ -232,8 +232,9 @@ def test_nvfp4_tp2_within_upstream_backend_spread(ckpt, upstream, what):
 def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     """Where TP=2 leaves TP=1 (nvfp4 KV, the plugin's MoE, FP8 dense: every GEMM the plugin's), one
     200-token prompt in one eager forward: per layer, the share of elements bit-equal to TP=1 in the
-    attention core's output (each rank's heads against their slice of TP=1's), the MoE output and
-    the residual, with the fp32 all-reduces on (default) and off. Reported for the next step of
+    attention core's inputs and output (each rank's heads against their slice of TP=1's), the MoE
+    output and the residual, then the logits, with the defaults, with each rank's nvfp4 scales from
+    its own heads ($VLLM_SM121_KV_SCALE_TP_MAX=0) and with bf16 all-reduces. Reported for the next step of
     issue 10; asserted: every layer dumped on every rank, and the last residual within 5% relative
     L2 of TP=1's (a wrong shard, bias or reduce would be far off)."""
     from vllm_sm121.testing import probes
@@ -249,17 +250,31 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     def eq(a, b):
         return (a == b).float().mean().item()
 
-    for label, env in (("fp32 all-reduces", {}), ("bf16 all-reduces", {"VLLM_SM121_TP_FP32_REDUCE": "0"})):
+    def rank_slice(t, k):  # rank k's columns of a TP=1 tensor split by heads
+        half = t.shape[1] // 2
+        return t[:, k * half:(k + 1) * half]
+
+    for label, env in (("defaults", {}), ("nvfp4 scales from each rank's own heads", {"VLLM_SM121_KV_SCALE_TP_MAX": "0"}),
+                       ("bf16 all-reduces", {"VLLM_SM121_TP_FP32_REDUCE": "0"})):
         ranks = _run_env(env, ckpt, prompts, tp=2, **run, **kw)[1]
         assert len(ranks) == 2 and all(f"{i}.{w}" in r for r in ranks for i in layers for w in ("attn", "block"))
-        print(f"\nTP=2 vs TP=1, {label}: share of elements bit-equal (attention core, MoE out, residual), "
-              "max |diff| of the residual")
+        print(f"\nTP=2 vs TP=1, {label}: share of elements bit-equal (q, k, v after the rotation; attention "
+              "core; MoE out; residual), max |diff| of the residual; nvfp4 K/V global scales per rank")
         for i in layers:
-            ref_attn = tp1[f"{i}.attn"][0]
-            half = ref_attn.shape[1] // 2
-            a = min(eq(r[f"{i}.attn"][0], ref_attn[:, k * half:(k + 1) * half]) for k, r in enumerate(ranks))
+            qkv = " ".join(f"{n} {min(eq(r[f'{i}.qkv'][j], rank_slice(tp1[f'{i}.qkv'][j], k)) for k, r in enumerate(ranks)):.4f}"
+                           for j, n in enumerate("qkv")) if f"{i}.qkv" in tp1 else "qkv -"
+            a = min(eq(r[f"{i}.attn"][0], rank_slice(tp1[f"{i}.attn"][0], k)) for k, r in enumerate(ranks))
             mo, res = ranks[0][f"{i}.block"][0], ranks[0][f"{i}.block"][1]
-            print(f"  layer {i}: attn {a:.4f}  moe {eq(mo, tp1[f'{i}.block'][0]):.4f}  residual "
-                  f"{eq(res, tp1[f'{i}.block'][1]):.4f}  max {((res - tp1[f'{i}.block'][1]).abs().max().item()):.3g}")
+            g = " / ".join(str(r[f"{i}.g"][0].tolist()) for r in [tp1] + list(ranks) if f"{i}.g" in r)
+            print(f"  layer {i}: {qkv}  attn {a:.4f}  moe {eq(mo, tp1[f'{i}.block'][0]):.4f}  residual "
+                  f"{eq(res, tp1[f'{i}.block'][1]):.4f}  max {((res - tp1[f'{i}.block'][1]).abs().max().item()):.3g}"
+                  f"  g {g}")
+        if "logits" in tp1 and "logits" in ranks[0]:
+            a, b = ranks[0]["logits"][0], tp1["logits"][0]
+            n = min(a.shape[1], b.shape[1])
+            a, b = a[:, :n], b[:, :n]
+            lp = (a.log_softmax(-1) - b.log_softmax(-1)).abs()
+            print(f"  logits: bit-equal {eq(a, b):.4f}, max |diff| {(a - b).abs().max().item():.3g}, "
+                  f"|delta logprob| over the vocabulary mean {lp.mean().item():.4g} max {lp.max().item():.4g}")
         last, ref = ranks[0][f"{layers[-1]}.block"][1], tp1[f"{layers[-1]}.block"][1]
         assert ((last - ref).norm() / ref.norm()).item() < 5e-2, label

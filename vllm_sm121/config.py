@@ -134,6 +134,14 @@ L2_PREFETCH_ENV = "VLLM_SM121_L2_PREFETCH"
 # share in fp32 and rounds to bf16 once after it (vllm_sm121/moe/hook.py), so TP=2 reproduces TP=1's
 # bf16 values up to fp32 summation order; default on since stop 34; 0: upstream's bf16 all-reduce
 TP_FP32_REDUCE_ENV = "VLLM_SM121_TP_FP32_REDUCE"
+# Under tensor parallelism each rank calibrates its layers' nvfp4 K/V global scales from the max over
+# all ranks' KV heads (vLLM's all-gather, first batches only), i.e. TP=1's scales; 0: its own heads
+KV_SCALE_TP_MAX_ENV = "VLLM_SM121_KV_SCALE_TP_MAX"
+
+
+def kv_scale_tp_max() -> bool:
+    """$VLLM_SM121_KV_SCALE_TP_MAX (default on; read now)."""
+    return _env_flag(KV_SCALE_TP_MAX_ENV, True)
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -22,6 +22,20 @@ _FP8_CACHE = ("fp8", "fp8_e4m3")
 logger = init_logger("vllm.sm121")
 
 
+def _tp_amax():
+    """Under tensor parallelism: a [2] amax -> its max over the TP group's ranks (vLLM's all-gather),
+    so a rank holding half of a layer's KV heads calibrates its nvfp4 scales as the whole layer
+    does at TP=1; None at TP=1 or with $VLLM_SM121_KV_SCALE_TP_MAX=0 (each rank's own heads)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    from vllm_sm121.config import kv_scale_tp_max
+
+    if not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() == 1 or not kv_scale_tp_max():
+        return None
+    return lambda amax: tensor_model_parallel_all_gather(amax.view(1, 2), dim=0).amax(dim=0)
+
+
 def _validate_sm121_options() -> None:
     """Check ``--additional-config '{"sm121": ...}'`` when a model builds SM121 layers (the vLLM
     config is current then): an unknown key, value or a value not implemented in this release is
@@ -130,13 +144,14 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         return self._pages
 
     def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Set this layer's nvfp4 K/V global scales from the first non-empty batch it writes.
+        """Set this layer's nvfp4 K/V global scales from the first non-empty batch it writes (under
+        tensor parallelism from the max over all ranks' heads: TP=1's scales, see ``_tp_amax``).
 
         Device-only; outside CUDA-graph capture the Python flag stops calling it once the device
         says both are set (a single host sync per layer, in the first eager steps), so captured
         graphs and later steps carry no calibration work.
         """
-        calibrate_global_scales(key, value, self._g, self._g_done)
+        calibrate_global_scales(key, value, self._g, self._g_done, reduce_amax=_tp_amax())
         if not (key.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._calibrating = not bool(self._g_done.all())
 

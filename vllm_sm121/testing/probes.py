@@ -25,28 +25,43 @@ DUMP_TOKENS = 200  # the token count of the one forward the dumps record (tests/
 
 def install_layer_dumps(worker) -> int:
     """Forward hooks on each gpt-oss layer of this worker's model that keep, from the first forward
-    of exactly DUMP_TOKENS tokens, the attention core's output (this rank's heads, before o_proj)
-    and the block's outputs (the MoE output and the residual, both whole after the all-reduces), as
-    fp32 CPU tensors in ``worker._sm121_dumps``; returns the number of layers hooked. Eager engines
-    only (hooks do not run inside compiled graphs)."""
+    of exactly DUMP_TOKENS tokens, the attention core's inputs (this rank's q, k, v after the
+    rotation, whichever qkv op produced them) and output (this rank's heads, before o_proj), the
+    block's outputs (the MoE output and the residual, both whole after the all-reduces), and the
+    model's logits for those tokens (whole vocabulary on rank 0 after vLLM's gather), as fp32 CPU
+    tensors in
+    ``worker._sm121_dumps``; returns the number of layers hooked. Eager engines only (hooks do not
+    run inside compiled graphs)."""
     model = worker.model_runner.model
     layers = getattr(getattr(model, "model", model), "layers", [])
     store: dict = {}
 
-    def keep(name):
-        def hook(module, args, out):
-            outs = out if isinstance(out, tuple) else (out,)
-            if name not in store and outs[0].shape[0] == DUMP_TOKENS:
+    def keep(name, inputs=False, sizes=(DUMP_TOKENS,)):
+        def hook(module, args, out=None):
+            outs = args if inputs else out if isinstance(out, tuple) else (out,)
+            if name not in store and hasattr(outs[0], "shape") and outs[0].shape[0] in sizes:
                 store[name] = [o.detach().float().cpu() for o in outs if hasattr(o, "detach")]
         return hook
 
     for i, layer in enumerate(layers):
         layer.register_forward_hook(keep(f"{i}.block"))
         layer.attn.attn.register_forward_hook(keep(f"{i}.attn"))
+        layer.attn.attn.register_forward_pre_hook(keep(f"{i}.qkv", inputs=True))
+    if hasattr(model, "logits_processor"):
+        # (prompt logprobs score every prompt position but the last)
+        model.logits_processor.register_forward_hook(keep("logits", sizes=(DUMP_TOKENS - 1, DUMP_TOKENS)))
     worker._sm121_dumps = store
+    worker._sm121_dump_layers = layers
     return len(layers)
 
 
 def layer_dumps(worker) -> dict:
-    """What ``install_layer_dumps`` kept: {"<layer>.attn": [out], "<layer>.block": [mlp out, residual]}."""
-    return getattr(worker, "_sm121_dumps", {})
+    """What ``install_layer_dumps`` kept: {"<layer>.qkv": [q, k, v], "<layer>.attn": [out], "<layer>.block":
+    [mlp out, residual], "logits": [logits]}, plus "<layer>.g": [the nvfp4 K and V global scales] for
+    layers on an nvfp4 cache."""
+    store = dict(getattr(worker, "_sm121_dumps", {}))
+    for i, layer in enumerate(getattr(worker, "_sm121_dump_layers", [])):
+        g = getattr(getattr(layer.attn.attn, "impl", None), "_g", None)
+        if g is not None:
+            store[f"{i}.g"] = [g.detach().float().cpu()]
+    return store
