@@ -51,27 +51,29 @@ def test_traced_choices_recorded_once_for_the_compile_cache(monkeypatch):
     monkeypatch.delenv(C.NORM_IN_QKV_ENV, raising=False)
     monkeypatch.delenv(C.L2_PREFETCH_ENV, raising=False)
     monkeypatch.delenv(C.TP_FP32_REDUCE_ENV, raising=False)
+    monkeypatch.delenv(C.TP_INVARIANT_ENV, raising=False)
     cfg = types.SimpleNamespace(additional_config={"sm121": {"moe": "upstream"}})
     assert C.record_traced_choices(cfg) == {"router_in_norm": True, "rope_in_qkv": True, "kv_in_qkv": False,
                                             "norm_in_qkv": True, "l2_prefetch": "none",
-                                            "tp_fp32_reduce": True}
+                                            "tp_fp32_reduce": True, "tp_invariant": ""}
     monkeypatch.setenv(C.ROUTER_IN_NORM_ENV, "0")
     monkeypatch.setenv(C.ROPE_IN_QKV_ENV, "0")
     monkeypatch.setenv(C.KV_IN_QKV_ENV, "1")
     monkeypatch.setenv(C.NORM_IN_QKV_ENV, "0")
     monkeypatch.setenv(C.L2_PREFETCH_ENV, "o")
     monkeypatch.setenv(C.TP_FP32_REDUCE_ENV, "0")
+    monkeypatch.setenv(C.TP_INVARIANT_ENV, "EP2")
     assert C.record_traced_choices(cfg) == {"router_in_norm": True, "rope_in_qkv": True, "kv_in_qkv": False,
                                             "norm_in_qkv": True, "l2_prefetch": "none",
-                                            "tp_fp32_reduce": True}  # recorded: unchanged
+                                            "tp_fp32_reduce": True, "tp_invariant": ""}  # recorded: unchanged
     assert C.parse(cfg.additional_config).moe == "upstream"  # the sm121 section still parses
     fresh = types.SimpleNamespace(additional_config=None)
     assert C.record_traced_choices(fresh) == {"router_in_norm": False, "rope_in_qkv": False, "kv_in_qkv": True,
                                               "norm_in_qkv": False, "l2_prefetch": "o",
-                                              "tp_fp32_reduce": False}
+                                              "tp_fp32_reduce": False, "tp_invariant": "ep2"}
     assert fresh.additional_config == {C.TRACED_KEY: {"router_in_norm": False, "rope_in_qkv": False,
                                                       "kv_in_qkv": True, "norm_in_qkv": False, "l2_prefetch": "o",
-                                              "tp_fp32_reduce": False}}
+                                              "tp_fp32_reduce": False, "tp_invariant": "ep2"}}
 
     class Hashed:
         def compute_hash(self):
@@ -80,6 +82,10 @@ def test_traced_choices_recorded_once_for_the_compile_cache(monkeypatch):
     assert C.record_traced_choices(types.SimpleNamespace(additional_config=Hashed())) is None
     monkeypatch.setenv(C.ROUTER_IN_NORM_ENV, "yes")
     with pytest.raises(ValueError, match="VLLM_SM121_ROUTER_IN_NORM"):
+        C.traced_env_choices()
+    monkeypatch.setenv(C.ROUTER_IN_NORM_ENV, "1")
+    monkeypatch.setenv(C.TP_INVARIANT_ENV, "tp4")
+    with pytest.raises(ValueError, match="VLLM_SM121_TP_INVARIANT='tp4' is not supported; supported: tp2, ep2"):
         C.traced_env_choices()
 
 

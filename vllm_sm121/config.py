@@ -139,6 +139,25 @@ TP_FP32_REDUCE_ENV = "VLLM_SM121_TP_FP32_REDUCE"
 KV_SCALE_TP_MAX_ENV = "VLLM_SM121_KV_SCALE_TP_MAX"
 
 
+# Reproducibility mode on a one-rank engine: "tp2" / "ep2" computes o_proj and the MoE as the two
+# ranks of --tensor-parallel-size 2 (without / with --enable-expert-parallel) do -- each rank's
+# shard of the weights, its fp32 share, the shares summed in fp32 as the all-reduce sums them --
+# so TP=1 and TP=2 give the same bits (vllm_sm121/moe/hook.py; slower, opt-in; a traced choice)
+TP_INVARIANT_ENV = "VLLM_SM121_TP_INVARIANT"
+TP_INVARIANT_MODES = ("tp2", "ep2")
+
+
+def tp_invariant_choice() -> str:
+    """$VLLM_SM121_TP_INVARIANT: "" (off, default), "tp2" or "ep2" (read now)."""
+    text = os.environ.get(TP_INVARIANT_ENV, "").strip().lower()
+    if text in ("", "0", "off"):
+        return ""
+    if text not in TP_INVARIANT_MODES:
+        raise ValueError(f"${TP_INVARIANT_ENV}={text!r} is not supported; supported: "
+                         f"{', '.join(TP_INVARIANT_MODES)} or unset")
+    return text
+
+
 def kv_scale_tp_max() -> bool:
     """$VLLM_SM121_KV_SCALE_TP_MAX (default on; read now)."""
     return _env_flag(KV_SCALE_TP_MAX_ENV, True)
@@ -152,7 +171,8 @@ def traced_env_choices() -> dict[str, Any]:
     """The environment's choices that change the traced gpt-oss graph (read now)."""
     return {"router_in_norm": _env_flag(ROUTER_IN_NORM_ENV, True), "rope_in_qkv": _env_flag(ROPE_IN_QKV_ENV, True),
             "kv_in_qkv": _env_flag(KV_IN_QKV_ENV, False), "norm_in_qkv": _env_flag(NORM_IN_QKV_ENV, True),
-            "l2_prefetch": _l2_prefetch_choice(), "tp_fp32_reduce": _env_flag(TP_FP32_REDUCE_ENV, True)}
+            "l2_prefetch": _l2_prefetch_choice(), "tp_fp32_reduce": _env_flag(TP_FP32_REDUCE_ENV, True),
+            "tp_invariant": tp_invariant_choice()}
 
 
 def _l2_prefetch_choice() -> str:

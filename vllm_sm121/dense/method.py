@@ -228,9 +228,26 @@ class Sm121DenseFp8LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         convert_layer_weight_(layer)
+        _simulated_rank_parts(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return dense_fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+
+def _simulated_rank_parts(layer: torch.nn.Module, parts: int = 2) -> None:
+    """$VLLM_SM121_TP_INVARIANT on a one-rank engine: a row-parallel layer's (o_proj's) FP8 codes as
+    the two ranks' contiguous K halves, buffer ``sm121_w_parts`` [parts, N, K / parts] (the codes
+    TP=2's ranks hold: their scales come from the whole rows, ``_whole_row_amax``); the gpt-oss
+    hook's ``o_proj_fp32_reduce`` reads them."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from vllm_sm121.config import tp_invariant_choice
+
+    if not isinstance(layer, RowParallelLinear) or getattr(layer, "tp_size", 1) != 1 or not tp_invariant_choice():
+        return
+    n, k = layer.weight.shape
+    w = layer.weight.data.view(n, parts, k // parts).transpose(0, 1).contiguous()
+    layer.register_buffer("sm121_w_parts", w, persistent=False)
 
 
 class Sm121DenseFp8LMHeadMethod(UnquantizedEmbeddingMethod):

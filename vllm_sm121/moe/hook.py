@@ -196,7 +196,9 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
     for the experts (and, ``router_in_norm``, the router's logits): returns (MoE output bf16 [T, H],
     the updated residual). ``norm_out_key``: FC2 also writes the next layer's carried input norm
     (one rank only: no all-reduce follows). ``fp32_reduce`` (TP / EP): the ranks' shares are
-    all-reduced in fp32 and rounded to bf16 once after it, as one rank rounds its whole sum."""
+    all-reduced in fp32 and rounded to bf16 once after it, as one rank rounds its whole sum. On a
+    one-rank engine in the TP-invariant mode (experts' ``sm121_sim_parts``, method.py): the
+    simulated ranks' fp32 shares, one after another, summed in fp32 and rounded once."""
     if router_in_norm:
         residual, xq, xs, router_logits = add_rmsnorm_mxfp8_router(
             hidden_states, residual, norm.weight, norm.variance_epsilon, mlp.router.weight, mlp.router.bias)
@@ -204,6 +206,17 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
         y, xq, xs = add_rmsnorm_mxfp8(hidden_states, residual, norm.weight, norm.variance_epsilon)
         router_logits = mlp.router(y)
     e = routed_experts_of(mlp)
+    parts = getattr(e, "sm121_sim_parts", 0)
+    if parts:  # $VLLM_SM121_TP_INVARIANT: the ranks' fp32 shares, summed as the fp32 all-reduce sums them
+        from .method import SHARDED_WEIGHTS
+
+        out = None
+        for r in range(parts):
+            w = [getattr(e, f"sm121_sim{r}_{name}") for name in SHARDED_WEIGHTS]
+            share = gpt_oss_moe_mxfp8(xq, xs, router_logits, *w, e.quant_method.topk,
+                                      getattr(e, f"sm121_sim{r}_expert_map", None), "", None, "", True)
+            out = share if out is None else out + share
+        return out.to(torch.bfloat16), residual
     par = e.moe_config.moe_parallel_config
     shared = par.tp_size > 1 or par.ep_size > 1  # each rank holds a share of the experts' sum
     out = gpt_oss_moe_mxfp8(xq, xs, router_logits, e.w13_weight, e.w13_weight_scale, e.w13_bias, e.w2_weight,
@@ -216,10 +229,11 @@ def hooked_mlp_forward(hidden_states: torch.Tensor, residual: torch.Tensor, norm
     return out, residual
 
 
-def o_proj_fp32_reduce_unsupported_reason(attn: torch.nn.Module) -> str | None:
+def o_proj_fp32_reduce_unsupported_reason(attn: torch.nn.Module, one_rank: bool = False) -> str | None:
     """Why this attention's o_proj cannot take ``o_proj_fp32_reduce`` (None: it can): it must be
-    upstream's RowParallelLinear over a TP group of more than one rank, reducing its own result,
-    on bf16 weights or the plugin's FP8 ones, inside upstream's OAIAttention."""
+    upstream's RowParallelLinear over a TP group of more than one rank (any, ``one_rank``: the
+    TP-invariant mode), reducing its own result, on bf16 weights or the plugin's FP8 ones, inside
+    upstream's OAIAttention."""
     from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
     from vllm.model_executor.models.gpt_oss import OAIAttention
 
@@ -231,7 +245,7 @@ def o_proj_fp32_reduce_unsupported_reason(attn: torch.nn.Module) -> str | None:
          "attention is not upstream's OAIAttention"),
         (not isinstance(o, RowParallelLinear) or type(o).forward is not RowParallelLinear.forward,
          "o_proj is not upstream's RowParallelLinear"),
-        (getattr(o, "tp_size", 1) <= 1, "one rank"),
+        (getattr(o, "tp_size", 1) <= 1 and not one_rank, "one rank"),
         (not getattr(o, "reduce_results", False) or not getattr(o, "input_is_parallel", False)
          or getattr(o, "skip_bias_add", False), "o_proj does not reduce its own full result"),
         (type(getattr(o, "quant_method", None)) not in (UnquantizedLinearMethod, Sm121DenseFp8LinearMethod),
@@ -247,24 +261,45 @@ def o_proj_fp32_reduce(o_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
     """``o_proj(x)[0]`` of a row-parallel o_proj (``o_proj_fp32_reduce_unsupported_reason``) with the
     rank's partial product in fp32 (bias on rank 0, as upstream), all-reduced in fp32 over vLLM's TP
     group and rounded to bf16 once: what one rank computes, up to fp32 summation order, where
-    upstream rounds each rank's partial and then their bf16 sum."""
-    from vllm.distributed import tensor_model_parallel_all_reduce
+    upstream rounds each rank's partial and then their bf16 sum.
 
+    On a one-rank engine in the TP-invariant mode (``o_proj.sm121_sim_parts`` = 2, set by the block):
+    the two K halves' fp32 products, as the two ranks compute them (the FP8 weight's halves from
+    ``sm121_w_parts``), summed in fp32 and rounded once, the fp32 all-reduce's sum."""
+    parts = getattr(o_proj, "sm121_sim_parts", 0)
+    if not parts:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(_o_proj_share_f32(o_proj, x, o_proj.weight, o_proj.tp_rank == 0,
+                                                                  None)).to(x.dtype)
+    k = x.shape[-1] // parts
+    out = None
+    for r in range(parts):
+        # (bf16: the half copied per call, so cuBLAS sees the contiguous operand a rank holds; slow, opt-in)
+        w = o_proj.sm121_w_parts[r] if hasattr(o_proj, "sm121_w_parts") else o_proj.weight[:, r * k:(r + 1) * k].contiguous()
+        share = _o_proj_share_f32(o_proj, x[..., r * k:(r + 1) * k], w, r == 0, o_proj.weight_scale
+                                  if hasattr(o_proj, "sm121_w_parts") else None)
+        out = share if out is None else out + share
+    return out.to(x.dtype)
+
+
+def _o_proj_share_f32(o_proj: torch.nn.Module, x: torch.Tensor, w: torch.Tensor, with_bias: bool,
+                      fp8_scale: torch.Tensor | None) -> torch.Tensor:
+    """One rank's fp32 o_proj share x @ w^T (+ bias where ``with_bias``), leading dims kept."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from vllm_sm121.dense.method import Sm121DenseFp8LinearMethod, dense_fp8_linear
 
-    bias = o_proj.bias if o_proj.tp_rank == 0 else None
+    bias = o_proj.bias if with_bias else None
     qm = o_proj.quant_method  # (read at run time: the FP8 conversion swaps it after the block's construction)
     if isinstance(qm, Sm121DenseFp8LinearMethod):
-        y = dense_fp8_linear(x, o_proj.weight, o_proj.weight_scale, bias, f32_out=True)
-    elif type(qm) is UnquantizedLinearMethod:
-        y = torch.ops.sm121.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), o_proj.weight, bias)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-    else:
-        raise ValueError(f"o_proj's fp32 all-reduce takes bf16 or the plugin's FP8 weights, not "
-                         f"{type(qm).__name__}; set VLLM_SM121_TP_FP32_REDUCE=0")
-    return tensor_model_parallel_all_reduce(y).to(x.dtype)
+        return dense_fp8_linear(x.contiguous(), w, o_proj.weight_scale if fp8_scale is None else fp8_scale, bias,
+                                f32_out=True)
+    if type(qm) is UnquantizedLinearMethod:
+        y = torch.ops.sm121.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    raise ValueError(f"o_proj's fp32 all-reduce takes bf16 or the plugin's FP8 weights, not "
+                     f"{type(qm).__name__}; set VLLM_SM121_TP_FP32_REDUCE=0")
 
 
 def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | None:
@@ -521,7 +556,10 @@ class Sm121GptOssBlock(TransformerBlock):
         # fp32 all-reduces of the o_proj and MoE shares under TP / EP (default on since stop 34,
         # $VLLM_SM121_TP_FP32_REDUCE=0 turns it off; a traced choice): TP=1's bf16 roundings at TP=2.
         self.sm121_fp32_reduce_moe = self.sm121_fp32_reduce_o = False
-        if self.sm121_fused_moe and choices.get("tp_fp32_reduce", True):
+        self.sm121_tp_invariant = choices.get("tp_invariant", "")
+        if self.sm121_tp_invariant:
+            self._simulate_two_ranks(vllm_config)
+        elif self.sm121_fused_moe and choices.get("tp_fp32_reduce", True):
             par = routed_experts_of(self.mlp).moe_config.moe_parallel_config
             self.sm121_fp32_reduce_moe = par.tp_size > 1 or par.ep_size > 1
             why = o_proj_fp32_reduce_unsupported_reason(self.attn)
@@ -537,6 +575,7 @@ class Sm121GptOssBlock(TransformerBlock):
         self.sm121_norm_out_key = ""  # this block's FC2 writes it (set when the next block links)
         if choices.get("norm_in_qkv", False):
             why = ("the rotation does not run inside the qkv GEMV" if not self.sm121_rope_in_qkv
+                   else "the TP-invariant mode computes as two ranks" if self.sm121_tp_invariant
                    else "the KV write runs inside the qkv GEMV" if self.sm121_kv_in_qkv
                    else norm_in_qkv_unsupported_reason(self))
             if why is None:
@@ -552,6 +591,26 @@ class Sm121GptOssBlock(TransformerBlock):
                 (log.warning_once if os.environ.get(NORM_IN_QKV_ENV, "").strip() else log.info_once)(
                     "gpt-oss: the input norm carried into the qkv GEMV ($VLLM_SM121_NORM_IN_QKV) is not applied "
                     "(%s); it runs on its own", why)
+
+    def _simulate_two_ranks(self, vllm_config) -> None:
+        """$VLLM_SM121_TP_INVARIANT ("tp2" / "ep2") on a one-rank engine: o_proj and the MoE compute
+        each of the two ranks' fp32 shares and sum them as the fp32 all-reduce does (o_proj: the K
+        halves, ``o_proj_fp32_reduce``; MoE: the shards ``Sm121Mxfp4MoEMethod`` builds), so this
+        engine's results are TP=2's (EP=2's), bit for bit. Anything else is an error here."""
+        from vllm_sm121.config import TP_INVARIANT_ENV
+
+        mode = self.sm121_tp_invariant
+        par = vllm_config.parallel_config
+        why = ("needs the plugin's fused MoE (moe: mxfp8) on this block" if not self.sm121_fused_moe
+               else f"the engine already runs tensor_parallel_size={par.tensor_parallel_size}"
+               if par.tensor_parallel_size != 1 else o_proj_fp32_reduce_unsupported_reason(self.attn, one_rank=True))
+        heads = (self.attn.num_attention_heads, self.attn.num_key_value_heads)
+        if why is None and any(h % 2 for h in heads):
+            why = f"(q, kv) heads {heads} do not split over two ranks"
+        if why is not None:
+            raise ValueError(f"${TP_INVARIANT_ENV}={mode}: {why}; unset it")
+        self.sm121_fp32_reduce_moe = self.sm121_fp32_reduce_o = True
+        self.attn.o_proj.sm121_sim_parts = 2
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,59 @@ def local_expert_map(layer: torch.nn.Module) -> torch.Tensor | None:
     return getattr(layer, "expert_map", None)
 
 
+SHARDED_WEIGHTS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
+
+
+def rank_shards(weights: dict[str, torch.Tensor], mode: str, parts: int = 2,
+                align: int = _ALIGN) -> list[dict[str, torch.Tensor]]:
+    """The expert weights each of ``parts`` ranks holds, cut from one rank's full (checkpoint
+    layout) ``weights`` {name in SHARDED_WEIGHTS: tensor} exactly as vLLM 0.26's gpt-oss loader and
+    this method's padding give them to rank r:
+
+    * "tp2" (tensor parallel): whole MXFP4 blocks of the intermediate dimension, ``cdiv(I/32,
+      parts) * 32`` units per rank (gate/up rows interleaved: 2 rows a unit), copied into the leading
+      part of a zero shard of ``round_up(I // parts, align)`` units; ``w2_bias`` on rank 0 only;
+    * "ep2" (expert parallel): experts ``r * E/parts ..`` (vLLM's linear placement) with their
+      biases, and ``expert_map`` (int32 [E]: global -> local id, -1 elsewhere).
+    """
+    w13, w13s, w13b = weights["w13_weight"], weights["w13_weight_scale"], weights["w13_bias"]
+    w2, w2s, w2b = weights["w2_weight"], weights["w2_weight_scale"], weights["w2_bias"]
+    e, two_i = w13.shape[:2]
+    inter = two_i // 2
+    shards = []
+    if mode == "ep2":
+        if e % parts:
+            raise ValueError(f"{e} experts do not split over {parts} ranks")
+        n = e // parts
+        for r in range(parts):
+            sl = slice(r * n, (r + 1) * n)
+            emap = torch.full((e,), -1, dtype=torch.int32, device=w13.device)
+            emap[sl] = torch.arange(n, dtype=torch.int32, device=w13.device)
+            shards.append({name: t[sl].contiguous() for name, t in weights.items()} | {"expert_map": emap})
+        return shards
+    if mode != "tp2":
+        raise ValueError(f"mode={mode!r} is not supported; supported: tp2, ep2")
+    per = -(-(inter // 32) // parts) * 32  # the loader's units per rank (whole MXFP4 blocks)
+    padded = -(-(inter // parts) // align) * align  # the rank's parameter size (maybe_roundup_sizes)
+    for r in range(parts):
+        lo, hi = r * per, min((r + 1) * per, inter)
+        shard = {
+            "w13_weight": w13.new_zeros(e, 2 * padded, w13.shape[2]),
+            "w13_weight_scale": w13s.new_zeros(e, 2 * padded, w13s.shape[2]),
+            "w13_bias": w13b.new_zeros(e, 2 * padded),
+            "w2_weight": w2.new_zeros(e, w2.shape[1], padded // 2),
+            "w2_weight_scale": w2s.new_zeros(e, w2s.shape[1], padded // 32),
+            "w2_bias": w2b.clone() if r == 0 else torch.zeros_like(w2b),
+        }
+        shard["w13_weight"][:, :2 * (hi - lo)] = w13[:, 2 * lo:2 * hi]
+        shard["w13_weight_scale"][:, :2 * (hi - lo)] = w13s[:, 2 * lo:2 * hi]
+        shard["w13_bias"][:, :2 * (hi - lo)] = w13b[:, 2 * lo:2 * hi]
+        shard["w2_weight"][..., :(hi - lo) // 2] = w2[..., lo // 2:hi // 2]
+        shard["w2_weight_scale"][..., :(hi - lo) // 32] = w2s[..., lo // 32:hi // 32]
+        shards.append(shard)
+    return shards
+
+
 class Sm121GptOssMxfp4Config(GptOssMxfp4Config):
     """vLLM's gpt-oss MXFP4 config whose experts run our kernels when the ``moe`` option says so.
 
@@ -171,6 +224,31 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
         if emap is not None and (emap.dtype != torch.int32 or emap.shape != (self.moe.num_experts,)):
             raise ValueError(f"expert_map: expected int32 [{self.moe.num_experts}] (global -> local expert), got "
                              f"{emap.dtype} {tuple(emap.shape)}")
+        self._build_simulated_ranks(layer)
+
+    def _build_simulated_ranks(self, layer) -> None:
+        """$VLLM_SM121_TP_INVARIANT on a one-rank engine: the two ranks' weight shards of TP=2
+        ("tp2") or EP=2 ("ep2") as buffers ``sm121_sim{r}_<weight>`` (and ``sm121_sim{r}_expert_map``
+        for ep2), ``layer.sm121_sim_parts`` = 2 (0: mode off); the unsharded weights are released
+        (the gpt-oss hook reads the shards only; ``hook.hooked_mlp_forward``)."""
+        from vllm_sm121.config import TP_INVARIANT_ENV, tp_invariant_choice
+
+        layer.sm121_sim_parts = 0
+        mode = tp_invariant_choice()
+        if not mode:
+            return
+        par = self.moe.moe_parallel_config
+        if par.tp_size > 1 or par.ep_size > 1:
+            raise ValueError(f"${TP_INVARIANT_ENV}={mode} computes two ranks' shards on a one-rank engine; this one "
+                             f"already runs tp={par.tp_size}, ep={par.ep_size}: unset it")
+        weights = {name: getattr(layer, name).data for name in SHARDED_WEIGHTS}
+        for r, shard in enumerate(rank_shards(weights, mode, parts=2, align=_ALIGN)):
+            for name, t in shard.items():
+                layer.register_buffer(f"sm121_sim{r}_{name}", t, persistent=False)
+        for name in SHARDED_WEIGHTS:
+            p = getattr(layer, name)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        layer.sm121_sim_parts = 2
 
     def get_fused_moe_quant_config(self, layer):
         return None  # no modular kernel: apply_monolithic runs the whole block
