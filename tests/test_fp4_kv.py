@@ -174,6 +174,35 @@ def test_tp_ranks_calibrate_as_the_unsharded_layer():
     assert not torch.equal(own[0], whole) and not torch.equal(own[1], whole)  # the test can fail
 
 
+def test_impl_reduces_the_calibration_amax_over_the_tp_group(monkeypatch):
+    """``impl._tp_amax``: None on one rank, without vLLM's groups or with the variable off; under TP
+    the max of vLLM's all-gather (the stand-in returns this rank's [1, 2] and another rank's)."""
+    import vllm.distributed
+    import vllm.distributed.parallel_state as ps
+
+    from vllm_sm121.attention.impl import _tp_amax
+
+    assert _tp_amax() is None  # no model-parallel groups (CPU tests)
+    other = torch.tensor([[5.0, 0.25]])
+    gathered = []
+
+    def all_gather(t, dim=-1):
+        gathered.append((tuple(t.shape), dim))
+        return torch.cat([t, other], dim=dim)
+
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_gather", all_gather)
+    monkeypatch.delenv("VLLM_SM121_KV_SCALE_TP_MAX", raising=False)
+    assert torch.equal(_tp_amax()(torch.tensor([2.0, 1.0])), torch.tensor([5.0, 1.0]))
+    assert gathered == [((1, 2), 0)]
+    monkeypatch.setenv("VLLM_SM121_KV_SCALE_TP_MAX", "0")
+    assert _tp_amax() is None
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.delenv("VLLM_SM121_KV_SCALE_TP_MAX")
+    assert _tp_amax() is None
+
+
 def test_power_of_two_global_scales_store_the_same_values():
     """Two calibrations (other batch, other tensor-parallel head split) give scales 2**k apart:
     the dequantized cache is bit-identical for blocks whose e4m3 scale stays normal."""

@@ -26,7 +26,8 @@ spread + 1e-3), teacher-forced prompt logprobs:
   order, as a second backend has), calibrated by the same tile change with bf16 KV;
 * issue 10's rule: nvfp4 at TP=2 / EP=2 vs TP=1 in the TP-invariant mode ($VLLM_SM121_TP_INVARIANT:
   the one-rank engine sums the two ranks' fp32 shares in their order) within the upstream backends'
-  spread; against TP=1's default order (an expected failure since stop 35: summation order only);
+  spread (asserted, with the share of bit-equal logprobs); against TP=1's default order reported
+  (summation order only, stop 35);
 * where TP=2 leaves TP=1, layer by layer (reported, for the next step of that rule).
 
 Engines per test (each ~35-60 s on an H100 pair): fixtures ``upstream`` 2, ``moe_spread`` 2 and ``tile_knob`` 2;
@@ -212,25 +213,24 @@ def test_nvfp4_tp2_within_its_tile_spread(ckpt, upstream, tile_knob, what):
         assert _within(gap, spread), (what, name, gap, spread)
 
 
-@pytest.mark.xfail(reason="TP=1's default fp32 summation order of o_proj / FC2 differs from TP=2's two shares "
-                          "(stop 35: the only difference; 0.110 vs 0.061 mean); the rule holds against the "
-                          "TP-invariant TP=1 (test_tp_invariant_tp1_matches_tp2_and_ep2)", strict=False)
 @pytest.mark.parametrize("what", list(NVFP4_CONFIGS))
-def test_nvfp4_tp2_within_upstream_backend_spread(ckpt, upstream, what):
-    """Issue 10's acceptance as written: nvfp4 KV + the plugin's MoE (and FP8 dense) at TP=2 / EP=2
-    against the same plugin at TP=1, within (1.5x + 1e-3) the spread of two correct upstream
-    backends at TP=1 (FLASH_ATTN vs TRITON_ATTN, bf16 KV, upstream MoE). What makes that reachable:
-    the plugin's gpt-oss block all-reduces each rank's o_proj and MoE share in fp32 and rounds to
-    bf16 once after it ($VLLM_SM121_TP_FP32_REDUCE, default on), so TP=2 computes TP=1's bf16 values
-    up to fp32 summation order, instead of rounding each rank's partial first. Engines: 3 per case,
-    plus the module's 2 upstream ones."""
+def test_nvfp4_tp2_vs_default_tp1_reported(ckpt, upstream, what):
+    """Issue 10's rule with TP=1 in its default reduction order: nvfp4 KV + the plugin's MoE (and
+    FP8 dense) at TP=2 / EP=2 against the same plugin at TP=1, next to the upstream backends' spread.
+    Reported, not asserted against the rule: TP=2 sums o_proj's and FC2's two fp32 shares, TP=1 one
+    long sum (the only difference, stop 35: 0.110 / 0.442 vs the rule's 0.061 / 0.506), which the
+    quantized activations amplify; the rule is asserted against the TP-invariant TP=1
+    (``test_tp_invariant_tp1_matches_tp2_and_ep2``). Asserted: a sanity bound (a fault is far off).
+    Engines: 3 per case, plus the module's 2 upstream ones."""
     prompts = _prompts(PROMPT_LENS)
     kw = NVFP4_CONFIGS[what]
     tp1 = _run(ckpt, prompts, **kw)[0]
+    signal = torch.cat(upstream[0]).std().item()
     for name, par in (("TP=2", dict(tp=2)), ("EP=2", dict(tp=2, ep=True))):
         gap = logprob_gap(_run(ckpt, prompts, **par, **kw)[0], tp1)
-        _say(f"{what} {name} vs TP=1 (fp32 all-reduces), judged by the upstream backends' spread", gap, upstream[1])
-        assert _within(gap, upstream[1]), (what, name, gap, upstream[1])
+        _say(f"{what} {name} vs TP=1 (default order; rule {'met' if _within(gap, upstream[1]) else 'not met'})",
+             gap, upstream[1])
+        assert gap[0] < 0.25 * signal, (what, name, gap)
 
 
 def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
@@ -239,9 +239,10 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     attention core's inputs and output (each rank's heads against their slice of TP=1's), the MoE
     output and the residual, then the logits, against TP=1 and against TP=1 in the TP-invariant
     mode ($VLLM_SM121_TP_INVARIANT=tp2, which should be bit-equal). Reported for the next step of
-    issue 10; asserted: every layer dumped on every rank, and the last residual within 25% relative
-    L2 of TP=1's (a wrong shard, bias or reduce would be far off; 4 random-weight layers of
-    quantized activations amplify any reduction-order difference to ~10%, stop 35)."""
+    issue 10; asserted: every layer dumped on every rank, the last residual within 25% relative L2
+    of TP=1's (a wrong shard, bias or reduce would be far off; 4 random-weight layers of quantized
+    activations amplify the reduction-order difference to ~10%, stop 35), and every dumped tensor
+    bit-equal to the TP-invariant TP=1's."""
     from vllm_sm121.testing import probes
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -283,6 +284,14 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
                   f"|delta logprob| over the vocabulary mean {lp.mean().item():.4g} max {lp.max().item():.4g}")
     last, ref = ranks[0][f"{layers[-1]}.block"][1], tp1[f"{layers[-1]}.block"][1]
     assert ((last - ref).norm() / ref.norm()).item() < 0.25  # a wrong shard, bias or reduce would be far off
+    # against the TP-invariant TP=1 every dumped tensor is bit-equal (stop 35, 2 H200s)
+    for i in layers:
+        for k, r in enumerate(ranks):
+            for j in range(3):
+                assert torch.equal(r[f"{i}.qkv"][j], rank_slice(sim[f"{i}.qkv"][j], k)), (i, k, "qkv"[j])
+            assert torch.equal(r[f"{i}.attn"][0], rank_slice(sim[f"{i}.attn"][0], k)), (i, k, "attn")
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][f"{i}.block"], sim[f"{i}.block"])), (i, "block")
+    assert torch.equal(ranks[0]["logits"][0], sim["logits"][0])
 
 
 @pytest.mark.parametrize("what", list(NVFP4_CONFIGS))
@@ -303,3 +312,4 @@ def test_tp_invariant_tp1_matches_tp2_and_ep2(ckpt, upstream, what):
         _say(f"{what} {name} vs TP=1 with $VLLM_SM121_TP_INVARIANT={mode}", gap, upstream[1])
         print(f"  bit-equal prompt logprobs: {same:.4f}")
         assert _within(gap, upstream[1]), (what, name, gap, upstream[1])
+        assert same >= 0.95, (what, name, same)  # 0.970-1.000 at 9da91cd (before decode splits followed the mode)

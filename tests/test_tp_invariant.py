@@ -8,9 +8,11 @@ o_proj and the MoE as the two ranks of TP=2 (EP=2) do, so that TP=1 and TP=2 giv
   (the stand-in used by ``test_moe_hook``), for bf16 and FP8 weights;
 * the MoE method builds the shards and releases the unsharded weights; the hook's simulated path
   equals the two shares summed in fp32 and stays within the kernels' tolerance of the reference;
-* a bad mode value is an error naming the variable (``test_config``), and the mode refuses an
-  engine that already has two ranks.
-GPU: ``tests/test_tp_gpu.py::test_tp_invariant_tp1_matches_tp2`` (two GPUs).
+* the attention builder chooses decode splits from a TP=2 rank's KV heads in the mode;
+* a bad mode value is an error naming the variable (``test_config``); the mode refuses an engine
+  that already has two ranks, a weight reload and the non-hooked MoE call.
+GPU (two GPUs): ``tests/test_tp_gpu.py::test_tp_invariant_tp1_matches_tp2_and_ep2`` and
+``test_tp2_divergence_per_layer_reported``.
 """
 
 from __future__ import annotations
@@ -119,15 +121,14 @@ def test_o_proj_simulated_ranks_equal_two_real_ranks(monkeypatch, dense):
     two_ranks = (shares[0] + shares[1]).bfloat16()
     extra = {"sm121_sim_parts": 2}
     if dense == "fp8":
-        layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(q.clone(), requires_grad=False)
-        from vllm.model_executor.layers.linear import RowParallelLinear
-
-        monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", "tp2")
-        layer.__class__ = type("Row", (RowParallelLinear,), {"__init__": lambda self: None})
-        layer.tp_size = 1
         from vllm_sm121.dense import method as M
 
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(q.clone(), requires_grad=False)
+        layer.tp_size = 1
+        M._simulated_rank_parts(layer)
+        assert not hasattr(layer, "sm121_w_parts")  # mode off (the block did not flag this layer)
+        layer.sm121_sim_parts = 2  # what the gpt-oss block sets on o_proj in the mode
         M._simulated_rank_parts(layer)
         assert layer.sm121_w_parts.shape == (2, n, k // 2) and torch.equal(layer.sm121_w_parts[1].view(torch.uint8),
                                                                             q[:, k // 2:].contiguous().view(torch.uint8))
@@ -147,7 +148,9 @@ def test_moe_method_builds_the_ranks_and_the_hook_sums_them(monkeypatch, mode):
     _, layer = build_layer(c, "cpu", seed=6)
     w = {name: getattr(layer, name).data.clone() for name in SHARDED_WEIGHTS}
     method = Sm121Mxfp4MoEMethod(make_moe_config(c))
-    monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", mode)
+    method._build_simulated_ranks(layer)
+    assert layer.sm121_sim_parts == 0 and getattr(layer, "w13_weight").numel()  # not flagged: untouched
+    layer.sm121_sim_mode = mode  # what the gpt-oss block sets from its recorded choice
     method._build_simulated_ranks(layer)
     assert layer.sm121_sim_parts == 2 and all(getattr(layer, n).numel() == 0 for n in SHARDED_WEIGHTS)
     shards = rank_shards(w, mode)
@@ -168,7 +171,38 @@ def test_moe_method_builds_the_ranks_and_the_hook_sums_them(monkeypatch, mode):
     assert torch.equal(out, (shares[0] + shares[1]).bfloat16())
     ref = moe_block_torch(xq, logits, *w.values(), c.topk, x_scale=xs)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="VLLM_SM121_TP_INVARIANT: these experts hold simulated ranks' shards"):
+        method.apply_monolithic(layer, xq, logits)
+    with pytest.raises(ValueError, match="VLLM_SM121_TP_INVARIANT: .* reloading weights is not supported"):
+        method.process_weights_after_loading(layer)
     monkeypatch.setattr(method.moe, "moe_parallel_config",
                         types.SimpleNamespace(tp_size=2, ep_size=1, use_ep=False))
     with pytest.raises(ValueError, match="VLLM_SM121_TP_INVARIANT=.* one-rank engine; this one already runs tp=2"):
         method._build_simulated_ranks(layer)
+
+
+def test_attention_builder_splits_as_a_tp2_rank_in_the_mode(monkeypatch):
+    """Decode attention splits its KV by a count chosen from a rank's KV heads: in the mode, from
+    TP=2's half, so the split sums (and their order) are TP=2's."""
+    import vllm.config
+
+    from vllm_sm121.attention.metadata import SM121AttentionMetadataBuilder
+    from vllm_sm121.kernels.paged_attention import choose_num_splits
+
+    monkeypatch.setattr(vllm.config, "get_layers_from_vllm_config", lambda cfg, cls, names: {
+        "l": types.SimpleNamespace(num_heads=16, impl=types.SimpleNamespace(sliding_window=None))})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(multi_processor_count=8))
+    spec = types.SimpleNamespace(num_kv_heads=4, head_size=64, block_size=16)
+
+    def builder(mode):
+        monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", mode)
+        cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=8192),
+                                    parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+        return SM121AttentionMetadataBuilder(spec, ["l"], cfg, torch.device("cpu"))
+
+    off, on = builder(""), builder("tp2")
+    assert (off.split_kv_heads, on.split_kv_heads) == (4, 2)
+    want = {h: choose_num_splits(num_seqs=1, num_kv_heads=h, max_query_len=1, max_seq_len=4096, num_q_per_kv=4,
+                                 sm_count=8) for h in (4, 2)}
+    assert want[2] != want[4]  # the case tells the two apart
+    assert on._num_splits(1, 1, 1, 4096)[None] == want[2] and off._num_splits(1, 1, 1, 4096)[None] == want[4]

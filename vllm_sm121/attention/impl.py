@@ -151,8 +151,11 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         says both are set (a single host sync per layer, in the first eager steps), so captured
         graphs and later steps carry no calibration work.
         """
-        calibrate_global_scales(key, value, self._g, self._g_done, reduce_amax=_tp_amax())
-        if not (key.is_cuda and torch.cuda.is_current_stream_capturing()):
+        capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
+        # (never a collective inside a captured graph: vLLM warms each FULL graph up eagerly first,
+        # which calibrates; a graph captured before any calibration reduces over this rank's heads)
+        calibrate_global_scales(key, value, self._g, self._g_done, reduce_amax=None if capturing else _tp_amax())
+        if not capturing:
             self._calibrating = not bool(self._g_done.all())
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):

@@ -102,6 +102,15 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
             vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         )
         self.num_kv_heads = kv_cache_spec.num_kv_heads
+        # The split count is chosen from the KV heads of a rank; in the TP-invariant mode (one rank
+        # computing as two, $VLLM_SM121_TP_INVARIANT) from a TP=2 rank's half, so the split
+        # attention's summation order is TP=2's too.
+        self.split_kv_heads = self.num_kv_heads
+        from vllm_sm121.config import record_traced_choices, traced_env_choices
+
+        if ((record_traced_choices(vllm_config) or traced_env_choices()).get("tp_invariant", "")
+                and getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) == 1 and self.num_kv_heads % 2 == 0):
+            self.split_kv_heads = self.num_kv_heads // 2
         self.head_size = kv_cache_spec.head_size
         self.head_pad = max(16, 1 << (self.head_size - 1).bit_length())
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -121,7 +130,7 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         out = {}
         for window in self.windows:
             splits = choose_num_splits(
-                num_seqs=num_reqs, num_kv_heads=self.num_kv_heads, max_query_len=max_query_len,
+                num_seqs=num_reqs, num_kv_heads=self.split_kv_heads, max_query_len=max_query_len,
                 max_seq_len=max_seq_len, num_q_per_kv=max(1, self.num_q_heads // self.num_kv_heads),
                 sm_count=self.sm_count, sliding_window=window,
             )

@@ -235,15 +235,12 @@ class Sm121DenseFp8LinearMethod(LinearMethodBase):
 
 
 def _simulated_rank_parts(layer: torch.nn.Module, parts: int = 2) -> None:
-    """$VLLM_SM121_TP_INVARIANT on a one-rank engine: a row-parallel layer's (o_proj's) FP8 codes as
-    the two ranks' contiguous K halves, buffer ``sm121_w_parts`` [parts, N, K / parts] (the codes
-    TP=2's ranks hold: their scales come from the whole rows, ``_whole_row_amax``); the gpt-oss
-    hook's ``o_proj_fp32_reduce`` reads them."""
-    from vllm.model_executor.layers.linear import RowParallelLinear
-
-    from vllm_sm121.config import tp_invariant_choice
-
-    if not isinstance(layer, RowParallelLinear) or getattr(layer, "tp_size", 1) != 1 or not tp_invariant_choice():
+    """$VLLM_SM121_TP_INVARIANT on a one-rank engine (``layer.sm121_sim_parts``, set on o_proj by the
+    gpt-oss block from its recorded choice): the FP8 codes as the two ranks' contiguous K halves,
+    buffer ``sm121_w_parts`` [parts, N, K / parts] (the codes TP=2's ranks hold: their scales come
+    from the whole rows, ``_whole_row_amax``), which the hook's ``o_proj_fp32_reduce`` reads; the
+    whole weight stays too (o_proj's bytes twice: an opt-in reproducibility mode)."""
+    if getattr(layer, "sm121_sim_parts", 0) != parts or getattr(layer, "tp_size", 1) != 1:
         return
     n, k = layer.weight.shape
     w = layer.weight.data.view(n, parts, k // parts).transpose(0, 1).contiguous()

@@ -298,8 +298,10 @@ def _o_proj_share_f32(o_proj: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
     if type(qm) is UnquantizedLinearMethod:
         y = torch.ops.sm121.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+    flag = ("unset VLLM_SM121_TP_INVARIANT" if getattr(o_proj, "sm121_sim_parts", 0)
+            else "set VLLM_SM121_TP_FP32_REDUCE=0")
     raise ValueError(f"o_proj's fp32 all-reduce takes bf16 or the plugin's FP8 weights, not "
-                     f"{type(qm).__name__}; set VLLM_SM121_TP_FP32_REDUCE=0")
+                     f"{type(qm).__name__}; {flag}")
 
 
 def fused_moe_unsupported_reason(block: torch.nn.Module, vllm_config) -> str | None:
@@ -610,7 +612,9 @@ class Sm121GptOssBlock(TransformerBlock):
         if why is not None:
             raise ValueError(f"${TP_INVARIANT_ENV}={mode}: {why}; unset it")
         self.sm121_fp32_reduce_moe = self.sm121_fp32_reduce_o = True
+        # One source for the mode: the quant methods read these at load (process_weights_after_loading)
         self.attn.o_proj.sm121_sim_parts = 2
+        routed_experts_of(self.mlp).sm121_sim_mode = mode
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,7 +104,7 @@ def rank_shards(weights: dict[str, torch.Tensor], mode: str, parts: int = 2,
     shards = []
     if mode == "ep2":
         if e % parts:
-            raise ValueError(f"{e} experts do not split over {parts} ranks")
+            raise ValueError(f"$VLLM_SM121_TP_INVARIANT=ep2: {e} experts do not split over {parts} ranks")
         n = e // parts
         for r in range(parts):
             sl = slice(r * n, (r + 1) * n)
@@ -113,7 +113,7 @@ def rank_shards(weights: dict[str, torch.Tensor], mode: str, parts: int = 2,
             shards.append({name: t[sl].contiguous() for name, t in weights.items()} | {"expert_map": emap})
         return shards
     if mode != "tp2":
-        raise ValueError(f"mode={mode!r} is not supported; supported: tp2, ep2")
+        raise ValueError(f"$VLLM_SM121_TP_INVARIANT mode={mode!r} is not supported; supported: tp2, ep2")
     per = -(-(inter // 32) // parts) * 32  # the loader's units per rank (whole MXFP4 blocks)
     padded = -(-(inter // parts) // align) * align  # the rank's parameter size (maybe_roundup_sizes)
     for r in range(parts):
@@ -200,6 +200,9 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
                                             params_dtype, **extra_weight_attrs)
 
     def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "sm121_sim_parts", 0):
+            raise ValueError("$VLLM_SM121_TP_INVARIANT: these experts' weights were already cut into the "
+                             "simulated ranks' shards; reloading weights is not supported in that mode")
         e, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
         expected = {
             "w13_weight": ((e, 2 * inter, hidden // 2), torch.uint8),
@@ -227,14 +230,15 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
         self._build_simulated_ranks(layer)
 
     def _build_simulated_ranks(self, layer) -> None:
-        """$VLLM_SM121_TP_INVARIANT on a one-rank engine: the two ranks' weight shards of TP=2
-        ("tp2") or EP=2 ("ep2") as buffers ``sm121_sim{r}_<weight>`` (and ``sm121_sim{r}_expert_map``
-        for ep2), ``layer.sm121_sim_parts`` = 2 (0: mode off); the unsharded weights are released
-        (the gpt-oss hook reads the shards only; ``hook.hooked_mlp_forward``)."""
-        from vllm_sm121.config import TP_INVARIANT_ENV, tp_invariant_choice
+        """$VLLM_SM121_TP_INVARIANT on a one-rank engine (``layer.sm121_sim_mode``, set by the gpt-oss
+        block from its recorded choice, ``hook.Sm121GptOssBlock._simulate_two_ranks``): the two ranks'
+        weight shards of TP=2 ("tp2") or EP=2 ("ep2") as buffers ``sm121_sim{r}_<weight>`` (and
+        ``sm121_sim{r}_expert_map`` for ep2), ``layer.sm121_sim_parts`` = 2 (0: mode off); the
+        unsharded weights are released (the block's hook reads the shards only)."""
+        from vllm_sm121.config import TP_INVARIANT_ENV
 
         layer.sm121_sim_parts = 0
-        mode = tp_invariant_choice()
+        mode = getattr(layer, "sm121_sim_mode", "")
         if not mode:
             return
         par = self.moe.moe_parallel_config
@@ -257,6 +261,9 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
         from vllm_sm121.kernels.moe import moe_block
 
+        if getattr(layer, "sm121_sim_parts", 0):
+            raise ValueError("$VLLM_SM121_TP_INVARIANT: these experts hold simulated ranks' shards, which only "
+                             "the plugin's gpt-oss block reads; unset it for this model")
         return moe_block(x.contiguous(), router_logits.contiguous(), layer.w13_weight, layer.w13_weight_scale,
                          layer.w13_bias, layer.w2_weight, layer.w2_weight_scale, layer.w2_bias, self.topk,
                          expert_map=local_expert_map(layer))
