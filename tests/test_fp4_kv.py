@@ -244,3 +244,13 @@ def test_scale_words_switch(monkeypatch):
     monkeypatch.setenv(module.ATTN_SCALE_WORDS_ENV, "2")
     with pytest.raises(ValueError, match=module.ATTN_SCALE_WORDS_ENV):
         module.nvfp4_scale_words(64, sc, sc)
+
+
+def test_nvfp4_refuses_kv_sharing_layers():
+    """A KV-sharing layer would read another layer's nvfp4 cache with global scales it never
+    calibrated: refused at construction, naming the flag and what works with sharing."""
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+
+    with pytest.raises(ValueError, match="--kv-cache-dtype nvfp4: KV-cache sharing .*model.layers.0.attn"):
+        SM121AttentionImpl(8, 64, 0.125, 2, None, None, "nvfp4", None, "decoder", "model.layers.0.attn")
+    SM121AttentionImpl(8, 64, 0.125, 2, None, None, "auto", None, "decoder", "model.layers.0.attn")  # bf16: fine

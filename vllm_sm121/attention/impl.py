@@ -90,6 +90,12 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         # nvfp4: this layer's K and V global scales (set from the first batch it writes, on the
         # device) and cached page views of vLLM's uint8 cache tensor.
         self._nvfp4 = kv_cache_dtype == "nvfp4"
+        if self._nvfp4 and kv_sharing_target_layer_name is not None:
+            # (each layer's nvfp4 global scales are its own: a sharing layer would read another's
+            # cache with scales it never calibrated)
+            raise ValueError(f"--kv-cache-dtype nvfp4: KV-cache sharing (this layer reads "
+                             f"{kv_sharing_target_layer_name}'s cache) is not supported on the SM121 backend; "
+                             "supported with it: auto, bfloat16, float16, fp8, fp8_e4m3")
         if self._nvfp4 and (head_size % 16 or head_size & (head_size - 1) or head_size > 256):
             raise ValueError(f"--kv-cache-dtype nvfp4: head_size={head_size} is not supported; "
                              "supported: 16, 32, 64, 128, 256")
