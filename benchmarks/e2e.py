@@ -302,6 +302,11 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-f16word", _all_on(),
            "sm121-all-moe with the MoE GEMVs' fp16 products summed per word (mode 1, before stop 34)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
+    # A/B of stop 34's TP default (--tensor-parallel-size 2): o_proj / MoE shares all-reduced in bf16 as upstream
+    Config("sm121-all-moe-bf16reduce", _all_on(),
+           "sm121-all-moe with upstream's bf16 all-reduces of the o_proj and MoE shares under TP / EP "
+           "(before stop 34; no effect on one rank)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_TP_FP32_REDUCE", "0"))),
     Config("sm121-all-moe-l2", _all_on(),
            "sm121-all-moe + L2 prefetches $E2E_L2_PREFETCH (default o,qkv_late,w2_late)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", os.environ.get("E2E_L2_PREFETCH", "o,qkv_late,w2_late")))),

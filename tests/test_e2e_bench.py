@@ -248,7 +248,11 @@ def test_configs_table():
                  "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl", "sm121-all-moe-merge1",
                  "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg", "sm121-all-moe-optins",
                  "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes", "sm121-all-moe-normqkv",
-                 "sm121-all-moe-normf16", "sm121-all-moe-nonorm", "sm121-all-moe-f16word")
+                 "sm121-all-moe-normf16", "sm121-all-moe-nonorm", "sm121-all-moe-f16word",
+                 "sm121-all-moe-bf16reduce")
+    # stop 35: the TP fp32 reduces' A/B
+    assert dict(by["sm121-all-moe-bf16reduce"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
+                                                        "VLLM_SM121_TP_FP32_REDUCE": "0"}
     # stop 34: f16group the default; mode 1 for the A/B
     assert dict(by["sm121-all-moe-f16word"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_MOE_FMA_F16X2": "1"}
     # stop 33: the carried input norm, alone and with f16group
