@@ -636,6 +636,42 @@ def test_block_with_fp32_reduces_traces_into_one_graph(env, monkeypatch, rope):
     assert out_e.dtype == torch.bfloat16 and torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
 
 
+@pytest.mark.parametrize("rope", [True, False], ids=["fp8-qkv", "upstream-attention"])
+def test_block_in_the_tp_invariant_mode_traces_into_one_graph(env, monkeypatch, rope):
+    """The TP-invariant mode on one rank (o_proj's two K halves, the MoE's two rank shards, summed
+    in fp32): the block compiles into one Dynamo graph holding two fp32 o_proj shares and two MoE
+    shares, no all-reduce, and gives the eager numbers."""
+    import vllm.distributed
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    block = build_block(env, "mxfp8", seed=9)
+    block.attn = _Fp8Attention(env, 3, lambda q, k, v: q * 2 + torch.cat((k, v), dim=-1).sum(-1, keepdim=True))
+    if not rope:
+        block.attn.qkv_proj = _QkvCall(block.attn.qkv_proj)
+    g = torch.Generator().manual_seed(4)
+    o = torch.nn.Module()
+    o.tp_rank, o.quant_method, o.sm121_sim_parts = 0, UnquantizedLinearMethod(), 2
+    o.register_parameter("weight", torch.nn.Parameter((torch.randn(64, 64, generator=g) * 0.1).bfloat16(),
+                                                      requires_grad=False))
+    o.register_parameter("bias", torch.nn.Parameter(torch.randn(64, generator=g).bfloat16(), requires_grad=False))
+    object.__setattr__(block.attn, "o_proj", o)
+    block.sm121_rope_in_qkv = rope
+    block.sm121_fp32_reduce_o = block.sm121_fp32_reduce_moe = True
+    experts = block.mlp.experts.routed_experts
+    experts.sm121_sim_mode = "tp2"
+    experts.quant_method._build_simulated_ranks(experts)
+    assert experts.sm121_sim_parts == 2
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce",
+                        lambda t: pytest.fail("the simulated ranks never all-reduce"))
+    x, _, res0 = _inputs(3, seed=2)
+    pos = torch.tensor([5, 900, 77])
+    with torch.no_grad():
+        targets, out_c, r_c = _compiled_once(block, x, pos, res0)
+        out_e, r_e = block.forward(x, pos, res0.clone())
+    assert targets.count("sm121.linear_f32") == 2 and targets.count("sm121.gpt_oss_moe_mxfp8") == 2, targets
+    assert out_e.dtype == torch.bfloat16 and torch.equal(out_c, out_e) and torch.equal(r_c, r_e)
+
+
 @pytest.mark.interpreter
 def test_block_with_kv_in_qkv_traces_into_one_graph_and_fills_the_cache(env, monkeypatch):
     """With the KV write in the qkv GEMV switched on, the block's forward compiles into one Dynamo
