@@ -175,6 +175,12 @@ def traced_env_choices() -> dict[str, Any]:
             "tp_invariant": tp_invariant_choice()}
 
 
+def traced_choices(vllm_config: Any) -> dict[str, Any]:
+    """The traced choices a model is built with: the config's record (``record_traced_choices``),
+    or the environment's where the config cannot hold one."""
+    return record_traced_choices(vllm_config) or traced_env_choices()
+
+
 def _l2_prefetch_choice() -> str:
     from vllm_sm121.l2_plan import recorded_choice
 

@@ -565,10 +565,13 @@ def _combine_when_last(part_ptr, out_ptr, cnt_ptr, M, H: tl.constexpr, TOPK_SPLI
             acc = tl.zeros([BLOCK_R], dtype=tl.float32)
             for j in tl.static_range(TOPK_SPLIT):
                 acc += tl.load(part_ptr + (t * TOPK_SPLIT + j) * H + rows, mask=ok, other=0.0, cache_modifier=".cg")
-            store_rounded(out_ptr + t * H + rows, acc, ok)
-            if NEXT_NORM:
-                next_norm_store(to_bf16_rne(acc).to(tl.float32), row_of(nn_r, t, BLOCK_T), nn_w, t, t < M, tile * BLOCK_R, nn_s_ptr,
+            if NEXT_NORM:  # (bf16 out): the rounded sum stored and carried into the next norm, rounded once
+                o = to_bf16_rne(acc)
+                tl.store(out_ptr + t * H + rows, o, mask=ok)
+                next_norm_store(o.to(tl.float32), row_of(nn_r, t, BLOCK_T), nn_w, t, t < M, tile * BLOCK_R, nn_s_ptr,
                                 nn_u_ptr, nn_ps_ptr, H, BLOCK_R)
+            else:
+                store_rounded(out_ptr + t * H + rows, acc, ok)
 
 
 @triton.jit

@@ -106,9 +106,9 @@ class SM121AttentionMetadataBuilder(AttentionMetadataBuilder[SM121AttentionMetad
         # computing as two, $VLLM_SM121_TP_INVARIANT) from a TP=2 rank's half, so the split
         # attention's summation order is TP=2's too.
         self.split_kv_heads = self.num_kv_heads
-        from vllm_sm121.config import record_traced_choices, traced_env_choices
+        from vllm_sm121.config import traced_choices
 
-        if ((record_traced_choices(vllm_config) or traced_env_choices()).get("tp_invariant", "")
+        if (traced_choices(vllm_config).get("tp_invariant", "")
                 and getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) == 1 and self.num_kv_heads % 2 == 0):
             self.split_kv_heads = self.num_kv_heads // 2
         self.head_size = kv_cache_spec.head_size

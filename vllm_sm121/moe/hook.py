@@ -65,7 +65,8 @@ import os
 import torch
 from vllm.model_executor.models.gpt_oss import MLPBlock, TransformerBlock
 
-from vllm_sm121.config import ROUTER_IN_NORM_ENV, TRACED_KEY, record_traced_choices, traced_env_choices  # noqa: F401 (re-exported)
+from vllm_sm121.config import (  # noqa: F401 (re-exported)
+    ROUTER_IN_NORM_ENV, TRACED_KEY, record_traced_choices, traced_choices, traced_env_choices)
 
 from .method import local_expert_map
 
@@ -270,21 +271,20 @@ def o_proj_fp32_reduce(o_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
     if not parts:
         from vllm.distributed import tensor_model_parallel_all_reduce
 
-        return tensor_model_parallel_all_reduce(_o_proj_share_f32(o_proj, x, o_proj.weight, o_proj.tp_rank == 0,
-                                                                  None)).to(x.dtype)
+        return tensor_model_parallel_all_reduce(_o_proj_share_f32(o_proj, x, o_proj.weight,
+                                                                  o_proj.tp_rank == 0)).to(x.dtype)
     k = x.shape[-1] // parts
+    fp8_parts = getattr(o_proj, "sm121_w_parts", None)
     out = None
     for r in range(parts):
         # (bf16: the half copied per call, so cuBLAS sees the contiguous operand a rank holds; slow, opt-in)
-        w = o_proj.sm121_w_parts[r] if hasattr(o_proj, "sm121_w_parts") else o_proj.weight[:, r * k:(r + 1) * k].contiguous()
-        share = _o_proj_share_f32(o_proj, x[..., r * k:(r + 1) * k], w, r == 0, o_proj.weight_scale
-                                  if hasattr(o_proj, "sm121_w_parts") else None)
+        w = fp8_parts[r] if fp8_parts is not None else o_proj.weight[:, r * k:(r + 1) * k].contiguous()
+        share = _o_proj_share_f32(o_proj, x[..., r * k:(r + 1) * k], w, r == 0)
         out = share if out is None else out + share
     return out.to(x.dtype)
 
 
-def _o_proj_share_f32(o_proj: torch.nn.Module, x: torch.Tensor, w: torch.Tensor, with_bias: bool,
-                      fp8_scale: torch.Tensor | None) -> torch.Tensor:
+def _o_proj_share_f32(o_proj: torch.nn.Module, x: torch.Tensor, w: torch.Tensor, with_bias: bool) -> torch.Tensor:
     """One rank's fp32 o_proj share x @ w^T (+ bias where ``with_bias``), leading dims kept."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -293,8 +293,7 @@ def _o_proj_share_f32(o_proj: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
     bias = o_proj.bias if with_bias else None
     qm = o_proj.quant_method  # (read at run time: the FP8 conversion swaps it after the block's construction)
     if isinstance(qm, Sm121DenseFp8LinearMethod):
-        return dense_fp8_linear(x.contiguous(), w, o_proj.weight_scale if fp8_scale is None else fp8_scale, bias,
-                                f32_out=True)
+        return dense_fp8_linear(x.contiguous(), w, o_proj.weight_scale, bias, f32_out=True)
     if type(qm) is UnquantizedLinearMethod:
         y = torch.ops.sm121.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -508,7 +507,7 @@ class Sm121GptOssBlock(TransformerBlock):
         super().__init__(vllm_config, quant_config, prefix=prefix)
         reason = fused_moe_unsupported_reason(self, vllm_config)
         self.sm121_fused_moe = reason is None  # decided once; forward branches on this constant
-        choices = record_traced_choices(vllm_config) or traced_env_choices()
+        choices = traced_choices(vllm_config)
         self.sm121_router_in_norm = (
             self.sm121_fused_moe and choices["router_in_norm"]
             and router_in_norm_unsupported_reason(self.mlp, self.post_attention_layernorm.weight.shape[0]) is None)
