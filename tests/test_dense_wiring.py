@@ -350,3 +350,83 @@ def test_fp8_dense_prompt_logprobs_vs_bf16(tmp_path_factory, capfd):
         assert "dense_weights fp8: 9 layers" in log.out + log.err, "the workers did not convert the layers"
         assert 0 < gap[0] <= 1.25 * cost[0] + 0.01, (gap, cost)
         assert ref_gap[0] < 0.5 * gap[0] and ref_gap[1] < gap[1], (ref_gap, gap)
+
+
+def _shard_spy(method):
+    """Record the weight / scale shapes the wrapped method's apply receives."""
+    seen = []
+    inner_apply = method.inner.apply
+
+    def apply(layer, x, bias=None):
+        seen.append((tuple(layer.weight.shape), tuple(getattr(layer, "weight_scale", torch.empty(0)).shape)))
+        return inner_apply(layer, x, bias)
+
+    method.inner.apply = apply
+    return seen
+
+
+@pytest.mark.parametrize("dense", ["bf16", pytest.param("fp8", marks=pytest.mark.interpreter)])
+def test_tp_invariant_lm_head_computes_two_vocab_shards(env, monkeypatch, device, dense):
+    """$VLLM_SM121_TP_INVARIANT: the lm_head's method (upstream's bf16 one or the FP8 one) runs as
+    TP=2's two vocab-parallel ranks -- each on its half of the padded rows (and of the FP8 scales),
+    the halves concatenated as vLLM's all-gather concatenates them -- and the logits equal that."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_sm121.kernels.dense import dense_fp8_linear_torch
+    from vllm_sm121.tp_invariant import VocabShardsLMHeadMethod
+
+    if dense == "fp8" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter on the CPU")
+    off, _ = build(env, FP8 if dense == "fp8" else None)
+    assert not isinstance(off.lm_head.quant_method, VocabShardsLMHeadMethod)  # mode off: untouched
+    monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", "tp2")
+    model, cfg = build(env, FP8 if dense == "fp8" else None)
+    method = model.lm_head.quant_method
+    assert isinstance(method, VocabShardsLMHeadMethod)
+    assert type(method.inner).__name__ == ("Sm121DenseFp8LMHeadMethod" if dense == "fp8" else "UnquantizedEmbeddingMethod")
+    g = torch.Generator().manual_seed(next(_seeds))
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))  # through the wrapper
+    head = model.lm_head
+    rows = head.num_embeddings_padded
+    assert rows == 256 and head.weight.shape[0] == rows  # vocab 200 padded to 64s: 128 rows per rank
+    assert head.weight.dtype == (torch.float8_e4m3fn if dense == "fp8" else torch.bfloat16)
+    seen = _shard_spy(method)
+    model.to(device)
+    x = torch.randn(5, 64, generator=g).bfloat16().to(device)
+    with set_current_vllm_config(cfg), torch.no_grad():
+        logits = model.compute_logits(x)
+    scale_shape = (128,) if dense == "fp8" else (0,)
+    assert seen == [((128, 64), scale_shape)] * 2
+    w = head.weight
+    if dense == "fp8":
+        halves = [dense_fp8_linear_torch(x, w[r * 128:(r + 1) * 128], head.weight_scale[r * 128:(r + 1) * 128], None)
+                  for r in range(2)]
+        assert_close(logits, torch.cat(halves, -1)[:, :200], atol=2e-2, rtol=2e-2, what="lm_head shards")
+    else:
+        halves = [torch.nn.functional.linear(x, w[r * 128:(r + 1) * 128]) for r in range(2)]
+        assert torch.equal(logits, torch.cat(halves, -1)[:, :200])  # the same GEMMs as the two ranks'
+        assert_close(logits, torch.nn.functional.linear(x, w)[:, :200], atol=2e-2, rtol=2e-2, what="vs one GEMM")
+
+
+def test_tp_invariant_lm_head_refusals(env, monkeypatch):
+    from vllm_sm121.tp_invariant import VocabShardsLMHeadMethod, apply_tp_invariant_lm_head, lm_head_unsupported_reason
+
+    monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", "ep2")
+    with pytest.raises(ValueError, match=r"VLLM_SM121_TP_INVARIANT=ep2: the lm_head runs in head_dtype.*unset it"):
+        build(env, None, head_dtype="float32")
+    model, cfg = build(env, None)
+    wrapped = model.lm_head.quant_method
+    assert apply_tp_invariant_lm_head(model, cfg) and model.lm_head.quant_method is wrapped  # idempotent
+    assert isinstance(wrapped, VocabShardsLMHeadMethod)
+    model.lm_head.tp_size = 2
+    assert "tensor_parallel_size=2" in lm_head_unsupported_reason(model)
+    model.lm_head.tp_size, model.lm_head.num_embeddings_padded = 1, 255
+    assert "does not split over 2 ranks" in lm_head_unsupported_reason(model)
+    assert "no vocab-parallel lm_head" in lm_head_unsupported_reason(torch.nn.Linear(2, 2))
+    monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", "")
+    again, cfg = build(env, None)
+    assert not apply_tp_invariant_lm_head(again, cfg)

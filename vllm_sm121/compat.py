@@ -219,8 +219,10 @@ def _install_gpt_oss_dense_hook(module) -> None:
     def __init__(self, vllm_config, prefix: str = ""):  # upstream's signature (vLLM inspects it)
         original(self, vllm_config=vllm_config, prefix=prefix)
         from vllm_sm121.dense.hook import apply_dense_weights
+        from vllm_sm121.tp_invariant import apply_tp_invariant_lm_head
 
         apply_dense_weights(self, vllm_config)
+        apply_tp_invariant_lm_head(self, vllm_config)  # (after the FP8 swap: it wraps the final method)
 
     __init__._sm121_shim = True
     cls.__init__ = __init__

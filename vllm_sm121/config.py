@@ -142,7 +142,8 @@ KV_SCALE_TP_MAX_ENV = "VLLM_SM121_KV_SCALE_TP_MAX"
 # Reproducibility mode on a one-rank engine: "tp2" / "ep2" computes o_proj and the MoE as the two
 # ranks of --tensor-parallel-size 2 (without / with --enable-expert-parallel) do -- each rank's
 # shard of the weights, its fp32 share, the shares summed in fp32 as the all-reduce sums them --
-# so TP=1 and TP=2 give the same bits (vllm_sm121/moe/hook.py; slower, opt-in; a traced choice)
+# and the lm_head as the two vocabulary shards (vllm_sm121/tp_invariant.py), so TP=1 and TP=2 give
+# the same bits (vllm_sm121/moe/hook.py; slower, opt-in; a traced choice)
 TP_INVARIANT_ENV = "VLLM_SM121_TP_INVARIANT"
 TP_INVARIANT_MODES = ("tp2", "ep2")
 

@@ -596,8 +596,9 @@ class Sm121GptOssBlock(TransformerBlock):
     def _simulate_two_ranks(self, vllm_config) -> None:
         """$VLLM_SM121_TP_INVARIANT ("tp2" / "ep2") on a one-rank engine: o_proj and the MoE compute
         each of the two ranks' fp32 shares and sum them as the fp32 all-reduce does (o_proj: the K
-        halves, ``o_proj_fp32_reduce``; MoE: the shards ``Sm121Mxfp4MoEMethod`` builds), so this
-        engine's results are TP=2's (EP=2's), bit for bit. Anything else is an error here."""
+        halves, ``o_proj_fp32_reduce``; MoE: the shards ``Sm121Mxfp4MoEMethod`` builds), and the
+        lm_head its two vocabulary shards (``vllm_sm121/tp_invariant.py``), so this engine's
+        results are TP=2's (EP=2's), bit for bit. Anything else is an error here."""
         from vllm_sm121.config import TP_INVARIANT_ENV
 
         mode = self.sm121_tp_invariant
