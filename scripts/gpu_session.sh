@@ -16,6 +16,12 @@ python3 -c "import vllm" || { echo "vLLM is not importable"; exit 3; }
 python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+reap_gpu() {  # a call cut by its time limit leaves engine workers holding ~all GPU memory (stop 36)
+  local pids; pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ' ')
+  [ -n "${pids// /}" ] || return 0
+  echo "killing leftover GPU processes of an earlier call: $pids"; kill -9 $pids 2>/dev/null; sleep 3
+}
+[ -n "${SM121_PAR_CHILD:-}" ] || reap_gpu  # (par's jobs run at once: only the top-level call reaps)
 wm_test() {  # tests/test_whole_model_gpu.py [-k EXPR], its summary lines
   local log="$OUT/wmtest${1:+_$1}.log"
   python3 -m pytest -q -s tests/test_whole_model_gpu.py ${1:+-k "$1"} -p no:cacheprovider > "$log" 2>&1; local r=$?
@@ -237,7 +243,7 @@ for step in "$@"; do
            # VARs are separated by spaces: "A=x,B=y" would set A to "x,B=y" (a stop-29 call ran the wrong configs so)
            if [[ "$vars" =~ ,[A-Z_][A-Z0-9_]*= ]]; then echo "par_$i: VARs must be space-separated: $vars"; exit 2; fi
            # each job ends by PAR_TIMEOUT (s) so that the packing below runs inside the call's limit
-           timeout -k 10 "${PAR_TIMEOUT:-540}" bash -c "export CUDA_VISIBLE_DEVICES=$gpus SM121_NO_PIP=1; $vars bash scripts/gpu_session.sh '$part' $steps" \
+           timeout -k 10 "${PAR_TIMEOUT:-540}" bash -c "export CUDA_VISIBLE_DEVICES=$gpus SM121_NO_PIP=1 SM121_PAR_CHILD=1; $vars bash scripts/gpu_session.sh '$part' $steps" \
              > "$OUT/par_$i.log" 2>&1 &
            pids+=($!); i=$((i+1))
          done <<< "$jobs"

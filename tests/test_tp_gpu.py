@@ -32,11 +32,14 @@ spread + 1e-3), teacher-forced prompt logprobs:
 
 Engines per test (each ~35-60 s on an H100 pair): fixtures ``upstream`` 2, ``moe_spread`` 2 and ``tile_knob`` 2;
 attention 1, MoE 3, graphs 2, upstream chunks 1, each nvfp4 case 4 (chunk spread) or 4 (tile spread) or 3 (upstream
-spread), TP-invariant 4, per-layer divergence 3, EP=2 repeat 3. Select with ``-k`` (gpu_session
+spread), TP-invariant 4, per-layer divergence 3, EP=2 repeat 3. ``$SM121_TP_MODEL=120b-4layers``
+(``tp_model``) runs them on gpt-oss-120b's first 4 layers (128 experts). Select with ``-k`` (gpu_session
 ``TP_K``) to fit a 10-minute call.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -64,7 +67,16 @@ def ckpt(tmp_path_factory):
 
     if not moe.READY:
         pytest.skip("the plugin's MoE is gated off: set VLLM_SM121_MOE_EXPERIMENTAL=1 for the run")
-    return _write(tmp_path_factory, "tiny")
+    return _write(tmp_path_factory, tp_model())
+
+
+def tp_model() -> str:
+    """$SM121_TP_MODEL: the random checkpoint's shapes, "tiny" (default: gpt-oss-120b's layer shapes
+    with 8 experts) or "120b-4layers" (gpt-oss-120b's first 4 layers, 128 experts: ~9 GB written)."""
+    name = os.environ.get("SM121_TP_MODEL", "tiny")
+    if name not in ("tiny", "120b-4layers"):
+        raise ValueError(f"$SM121_TP_MODEL={name!r} is not supported; supported: tiny, 120b-4layers")
+    return name
 
 
 def _say(what, gap, spread):
