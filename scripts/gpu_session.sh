@@ -17,9 +17,17 @@ python3 -c "import vllm_sm121.kernels" || exit 5
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export VLLM_SM121_RESULTS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 reap_gpu() {  # a call cut by its time limit leaves engine workers holding ~all GPU memory (stop 36)
-  local pids; pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ' ')
-  [ -n "${pids// /}" ] || return 0
-  echo "killing leftover GPU processes of an earlier call: $pids"; kill -9 $pids 2>/dev/null; sleep 3
+  local p pids="" i
+  for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' '); do
+    # only this machine's own processes (a PID nvidia-smi reports from another namespace has no /proc entry
+    # here), never this shell
+    [ -d "/proc/$p" ] && [ "$p" != "$$" ] && [ "$(stat -c %u "/proc/$p")" = "$(id -u)" ] && pids+="$p "
+  done
+  [ -n "$pids" ] || return 0
+  echo "killing leftover GPU processes of an earlier call: $pids"; kill -9 $pids 2>/dev/null
+  for i in $(seq 30); do  # until the driver has released their memory (at most 30 s)
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')" ] && break; sleep 1
+  done
 }
 [ -n "${SM121_PAR_CHILD:-}" ] || reap_gpu  # (par's jobs run at once: only the top-level call reaps)
 wm_test() {  # tests/test_whole_model_gpu.py [-k EXPR], its summary lines

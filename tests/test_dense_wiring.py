@@ -424,8 +424,13 @@ def test_tp_invariant_lm_head_refusals(env, monkeypatch):
     assert isinstance(wrapped, VocabShardsLMHeadMethod)
     model.lm_head.tp_size = 2
     assert "tensor_parallel_size=2" in lm_head_unsupported_reason(model)
-    model.lm_head.tp_size, model.lm_head.num_embeddings_padded = 1, 255
+    model.lm_head.tp_size, model.lm_head.num_embeddings_padded = 1, 320
+    assert "added (LoRA) vocabulary rows" in lm_head_unsupported_reason(model)
+    model.lm_head.num_embeddings_padded = model.lm_head.org_vocab_size_padded = 255
     assert "does not split over 2 ranks" in lm_head_unsupported_reason(model)
+    model.lm_head.cpu_linear = object()  # vLLM's CPU platform's pre-packed GEMM
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        wrapped.apply(model.lm_head, torch.zeros(1, 64, dtype=torch.bfloat16))
     assert "no vocab-parallel lm_head" in lm_head_unsupported_reason(torch.nn.Linear(2, 2))
     monkeypatch.setenv("VLLM_SM121_TP_INVARIANT", "")
     again, cfg = build(env, None)

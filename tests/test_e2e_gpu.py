@@ -25,7 +25,7 @@ PROMPT_LENS = (1, 15, 16, 17, 127, 128, 129, 255, 256, 257, 700, 2049)
 DECODE_PROMPT_LENS = (300, 140, 37)
 # (config folder, layers kept): the 20b config keeps its shapes (32 experts, 64/8 heads) but
 # only 4 of its 24 layers, to fit the GPU time of one session.
-MODELS = {"tiny": ("gpt-oss-tiny", None), "20b-4layers": ("gpt-oss-20b", 4), "120b-4layers": ("gpt-oss-120b", 4)}
+MODELS = {"tiny": ("gpt-oss-tiny", None), "20b-4layers": ("gpt-oss-20b", 4)}
 
 
 def _prompts(lens=DECODE_PROMPT_LENS):

@@ -44,7 +44,7 @@ import os
 import pytest
 import torch
 from helpers import logprob_gap, run_engine
-from test_e2e_gpu import PROMPT_LENS, _prompts, _within, _write
+from test_e2e_gpu import PROMPT_LENS, ROOT, _prompts, _within, _write
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -67,15 +67,26 @@ def ckpt(tmp_path_factory):
 
     if not moe.READY:
         pytest.skip("the plugin's MoE is gated off: set VLLM_SM121_MOE_EXPERIMENTAL=1 for the run")
-    return _write(tmp_path_factory, tp_model())
+    name = tp_model()
+    if name == "tiny":
+        return _write(tmp_path_factory, name)
+    from vllm_sm121.testing.checkpoint import write_random_gpt_oss_checkpoint
+
+    folder, layers = TP_MODELS[name]
+    return write_random_gpt_oss_checkpoint(str(ROOT / "models" / folder), str(tmp_path_factory.mktemp(name)),
+                                           seed=0, num_layers=layers)
+
+
+# (not in test_e2e_gpu.MODELS: its tests are parametrized over every entry there)
+TP_MODELS = {"120b-4layers": ("gpt-oss-120b", 4)}
 
 
 def tp_model() -> str:
     """$SM121_TP_MODEL: the random checkpoint's shapes, "tiny" (default: gpt-oss-120b's layer shapes
     with 8 experts) or "120b-4layers" (gpt-oss-120b's first 4 layers, 128 experts: ~9 GB written)."""
     name = os.environ.get("SM121_TP_MODEL", "tiny")
-    if name not in ("tiny", "120b-4layers"):
-        raise ValueError(f"$SM121_TP_MODEL={name!r} is not supported; supported: tiny, 120b-4layers")
+    if name != "tiny" and name not in TP_MODELS:
+        raise ValueError(f"$SM121_TP_MODEL={name!r} is not supported; supported: tiny, {', '.join(TP_MODELS)}")
     return name
 
 

@@ -58,6 +58,9 @@ class VocabShardsLMHeadMethod(QuantizeMethodBase):
         return self.inner.embedding(layer, input_)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if hasattr(layer, "cpu_linear"):  # (vLLM's CPU platform: a pre-packed GEMM that ignores the weight passed)
+            raise ValueError("$VLLM_SM121_TP_INVARIANT: vLLM's CPU platform packs the lm_head whole; "
+                             "the mode needs a CUDA device")
         n = layer.weight.shape[0] // self.parts
         outs = []
         for r in range(self.parts):
@@ -73,6 +76,8 @@ def lm_head_unsupported_reason(model: torch.nn.Module) -> str | None:
         return "the model has no vocab-parallel lm_head (ParallelLMHead)"
     if getattr(head, "tp_size", 1) != 1:
         return f"the engine already runs tensor_parallel_size={head.tp_size}"
+    if head.num_embeddings_padded != getattr(head, "org_vocab_size_padded", head.num_embeddings_padded):
+        return "it has added (LoRA) vocabulary rows, which TP=2 shards apart from the base vocabulary"
     if head.num_embeddings_padded % PARTS:
         return f"its padded vocabulary ({head.num_embeddings_padded}) does not split over {PARTS} ranks"
     processor = getattr(model, "logits_processor", None)
