@@ -33,10 +33,10 @@ def _prompts(lens=DECODE_PROMPT_LENS):
     return [torch.randint(10, 8000, (n,), generator=g).tolist() for n in lens]
 
 
-def _write(tmp_path_factory, name):
+def _write(tmp_path_factory, name, models=MODELS):
     from vllm_sm121.testing.checkpoint import write_random_gpt_oss_checkpoint
 
-    folder, layers = MODELS[name]
+    folder, layers = models[name]
     return write_random_gpt_oss_checkpoint(str(ROOT / "models" / folder), str(tmp_path_factory.mktemp(name)),
                                            seed=0, num_layers=layers)
 

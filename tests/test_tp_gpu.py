@@ -44,7 +44,7 @@ import os
 import pytest
 import torch
 from helpers import logprob_gap, run_engine
-from test_e2e_gpu import PROMPT_LENS, ROOT, _prompts, _within, _write
+from test_e2e_gpu import MODELS, PROMPT_LENS, _prompts, _within, _write
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -67,14 +67,7 @@ def ckpt(tmp_path_factory):
 
     if not moe.READY:
         pytest.skip("the plugin's MoE is gated off: set VLLM_SM121_MOE_EXPERIMENTAL=1 for the run")
-    name = tp_model()
-    if name == "tiny":
-        return _write(tmp_path_factory, name)
-    from vllm_sm121.testing.checkpoint import write_random_gpt_oss_checkpoint
-
-    folder, layers = TP_MODELS[name]
-    return write_random_gpt_oss_checkpoint(str(ROOT / "models" / folder), str(tmp_path_factory.mktemp(name)),
-                                           seed=0, num_layers=layers)
+    return _write(tmp_path_factory, tp_model(), {**MODELS, **TP_MODELS})
 
 
 # (not in test_e2e_gpu.MODELS: its tests are parametrized over every entry there)
