@@ -320,6 +320,7 @@ def test_tp_invariant_tp1_matches_tp2_and_ep2(ckpt, upstream, what):
     bit-equal prompt logprobs is reported. Engines: 4 per case, plus the module's 2 upstream ones."""
     prompts = _prompts(PROMPT_LENS)
     kw = NVFP4_CONFIGS[what]
+    results = []  # both cases run before anything is asserted (one engine pair per case)
     for mode, name, par in (("tp2", "TP=2", dict(tp=2)), ("ep2", "EP=2", dict(tp=2, ep=True))):
         ref = _run_env({"VLLM_SM121_TP_INVARIANT": mode}, ckpt, prompts, **kw)[0]
         got = _run(ckpt, prompts, **par, **kw)[0]
@@ -328,8 +329,12 @@ def test_tp_invariant_tp1_matches_tp2_and_ep2(ckpt, upstream, what):
         _say(f"{what} {name} vs TP=1 with $VLLM_SM121_TP_INVARIANT={mode}", gap, upstream[1])
         print(f"  bit-equal prompt logprobs: {same:.4f}; per prompt (share, first differing position): "
               f"{_per_prompt_equal(got, ref)}")
+        results.append((name, gap, same))
+    for name, gap, same in results:
         assert _within(gap, upstream[1]), (what, name, gap, upstream[1])
-        assert same >= 0.95, (what, name, same)  # 0.970-1.000 at 9da91cd (before decode splits followed the mode)
+    for name, gap, same in results:
+        # 0.970-1.000 at 9da91cd; stop 37 (0fc4867, lm_head shards): 0.973 / 1.000 nvfp4 KV, 0.970 / 0.938 FP8 dense
+        assert same >= 0.95, (what, name, same)
 
 
 def _per_prompt_equal(a, b):
