@@ -249,9 +249,30 @@ def test_nvfp4_tp2_vs_default_tp1_reported(ckpt, upstream, what):
         assert gap[0] < 0.25 * signal, (what, name, gap)
 
 
+DIVERGENCE_PROMPT_ENV = "SM121_DIVERGENCE_PROMPT"
+
+
+def _divergence_prompt():
+    """([prompt], prefill chunk) for the divergence test: one prompt of $SM121_DIVERGENCE_PROMPT
+    tokens (default: the dumped forward's) in two chunks, the second the dumped forward's N tokens
+    (``probes.dump_tokens()``; e.g. P = 2049, N = 110: the TP=2 tail of stop 37's 2049-token
+    prompt); one forward when P = N."""
+    from vllm_sm121.testing import probes
+
+    n = probes.dump_tokens()
+    text = os.environ.get(DIVERGENCE_PROMPT_ENV, "").strip()
+    total = int(text) if text else n
+    if total != n and total <= 2 * n:
+        raise ValueError(f"${DIVERGENCE_PROMPT_ENV}={total}: must equal ${probes.DUMP_TOKENS_ENV} ({n}) or be more than "
+                         f"twice it (prefill chunks of P - N tokens: the second, of N, must be the last)")
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(total)]
+    return [prompt], (256 if total == n else total - n)
+
+
 def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     """Where TP=2 leaves TP=1 (nvfp4 KV, the plugin's MoE, FP8 dense: every GEMM the plugin's), one
-    200-token prompt in one eager forward: per layer, the share of elements bit-equal to TP=1 in the
+    200-token prompt in one eager forward (or, with $SM121_DIVERGENCE_PROMPT=P and $SM121_DUMP_TOKENS=N,
+    the last N-token chunk of a P-token prompt: ``_divergence_prompt``): per layer, the share of elements bit-equal to TP=1 in the
     attention core's inputs and output (each rank's heads against their slice of TP=1's), the MoE
     output and the residual, then the logits, against TP=1 and against TP=1 in the TP-invariant
     mode ($VLLM_SM121_TP_INVARIANT=tp2, which should be bit-equal). Reported for the next step of
@@ -262,13 +283,13 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
     from vllm_sm121.testing import probes
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    prompts = [[(7 * i + 3) % 200 + 1 for i in range(probes.DUMP_TOKENS)]]
+    prompts, chunk = _divergence_prompt()
     kw = NVFP4_CONFIGS["nvfp4-kv-fp8-dense"]
     run = dict(setup=probes.install_layer_dumps, probe=probes.layer_dumps)
-    tp1 = _run(ckpt, prompts, **run, **kw)[1][0]
+    tp1 = _run(ckpt, prompts, chunk=chunk, **run, **kw)[1][0]
     layers = sorted({int(k.split(".")[0]) for k in tp1 if k[0].isdigit()})
     assert layers and all(f"{i}.{w}" in tp1 for i in layers for w in ("attn", "block")), sorted(tp1)
-    sim = _run_env({"VLLM_SM121_TP_INVARIANT": "tp2"}, ckpt, prompts, **run, **kw)[1][0]
+    sim = _run_env({"VLLM_SM121_TP_INVARIANT": "tp2"}, ckpt, prompts, chunk=chunk, **run, **kw)[1][0]
 
     def eq(a, b):
         return (a == b).float().mean().item()
@@ -277,7 +298,7 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
         half = t.shape[1] // 2
         return t[:, k * half:(k + 1) * half]
 
-    ranks = _run(ckpt, prompts, tp=2, **run, **kw)[1]
+    ranks = _run(ckpt, prompts, tp=2, chunk=chunk, **run, **kw)[1]
     assert len(ranks) == 2 and all(f"{i}.{w}" in r for r in ranks for i in layers for w in ("attn", "block"))
     for label, ref in (("TP=1", tp1), ("TP=1 in the TP-invariant mode (tp2)", sim)):
         print(f"\nTP=2 vs {label}: share of elements bit-equal (q, k, v after the rotation; attention "

@@ -206,3 +206,18 @@ def test_attention_builder_splits_as_a_tp2_rank_in_the_mode(monkeypatch):
                                  sm_count=8) for h in (4, 2)}
     assert want[2] != want[4]  # the case tells the two apart
     assert on._num_splits(1, 1, 1, 4096)[None] == want[2] and off._num_splits(1, 1, 1, 4096)[None] == want[4]
+
+
+def test_divergence_probe_token_count(monkeypatch):
+    """$SM121_DUMP_TOKENS sets the forward the GPU divergence test records (the last chunk of a
+    long prompt with $SM121_DIVERGENCE_PROMPT); a bad value names the variable."""
+    from vllm_sm121.testing import probes
+
+    monkeypatch.delenv(probes.DUMP_TOKENS_ENV, raising=False)
+    assert probes.dump_tokens() == probes.DUMP_TOKENS == 200
+    monkeypatch.setenv(probes.DUMP_TOKENS_ENV, "110")
+    assert probes.dump_tokens() == 110
+    for bad in ("1", "x", "-5"):
+        monkeypatch.setenv(probes.DUMP_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=probes.DUMP_TOKENS_ENV):
+            probes.dump_tokens()

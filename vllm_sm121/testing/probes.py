@@ -4,6 +4,8 @@ callables only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` set for the engine, 
 
 from __future__ import annotations
 
+import os
+
 
 def decode_parts_built(worker) -> int:
     """Mixed batches the SM121 builder gave a split decode launch in this worker so far."""
@@ -21,11 +23,24 @@ def carried_norm_layers(worker) -> int:
 
 
 DUMP_TOKENS = 200  # the token count of the one forward the dumps record (tests/test_tp_gpu.py)
+# ... unless $SM121_DUMP_TOKENS says another (read in the workers, which inherit the environment):
+# e.g. 110 with a 2049-token prompt in chunks of 1939 records the last chunk of a long prompt
+DUMP_TOKENS_ENV = "SM121_DUMP_TOKENS"
+
+
+def dump_tokens() -> int:
+    """The token count of the forward the dumps record: $SM121_DUMP_TOKENS, else DUMP_TOKENS."""
+    text = os.environ.get(DUMP_TOKENS_ENV, "").strip()
+    if not text:
+        return DUMP_TOKENS
+    if not text.isdigit() or int(text) < 2:
+        raise ValueError(f"${DUMP_TOKENS_ENV}={text!r} is not supported; supported: an integer >= 2 (tokens)")
+    return int(text)
 
 
 def install_layer_dumps(worker) -> int:
     """Forward hooks on each gpt-oss layer of this worker's model that keep, from the first forward
-    of exactly DUMP_TOKENS tokens, the attention core's inputs (this rank's q, k, v after the
+    of exactly ``dump_tokens()`` tokens, the attention core's inputs (this rank's q, k, v after the
     rotation, whichever qkv op produced them) and output (this rank's heads, before o_proj), the
     block's outputs (the MoE output and the residual, both whole after the all-reduces), and the
     model's logits for those tokens (whole vocabulary on rank 0 after vLLM's gather), as fp32 CPU
@@ -35,8 +50,9 @@ def install_layer_dumps(worker) -> int:
     model = worker.model_runner.model
     layers = getattr(getattr(model, "model", model), "layers", [])
     store: dict = {}
+    n = dump_tokens()
 
-    def keep(name, inputs=False, sizes=(DUMP_TOKENS,)):
+    def keep(name, inputs=False, sizes=(n,)):
         def hook(module, args, out=None):
             outs = args if inputs else out if isinstance(out, tuple) else (out,)
             if name not in store and hasattr(outs[0], "shape") and outs[0].shape[0] in sizes:
@@ -49,7 +65,7 @@ def install_layer_dumps(worker) -> int:
         layer.attn.attn.register_forward_pre_hook(keep(f"{i}.qkv", inputs=True))
     if hasattr(model, "logits_processor"):
         # (prompt logprobs score every prompt position but the last)
-        model.logits_processor.register_forward_hook(keep("logits", sizes=(DUMP_TOKENS - 1, DUMP_TOKENS)))
+        model.logits_processor.register_forward_hook(keep("logits", sizes=(n - 1, n)))
     worker._sm121_dumps = store
     worker._sm121_dump_layers = layers
     return len(layers)
