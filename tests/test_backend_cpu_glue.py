@@ -174,6 +174,7 @@ def test_nvfp4_cache_through_the_backend(backend_parts, layer):
                                                  * HEADROOM / (6 * 448))))
     torch.testing.assert_close(impl._g, expect_g)
     assert bool(impl._g_done.all()) and not impl._calibrating
+    assert impl._calib_log == [(len(ctx), 0, kv_cache.numel())]  # the batch the scales came from (diagnosis)
     # Step 2: the new tokens (3 graph-padding slots), written and attended in one step.
     new = _slots(b, [s - q for s, q in zip(seq_lens, q_lens)], seq_lens)
     slot_mapping = torch.tensor(new + [-1] * 3, dtype=torch.int64)
@@ -183,6 +184,7 @@ def test_nvfp4_cache_through_the_backend(backend_parts, layer):
     md = builder.build(0, _common(b, slot_mapping))
     impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
     torch.testing.assert_close(impl._g, expect_g)  # set once: later batches do not move it
+    assert len(impl._calib_log) == 1  # ... nor reach the calibration
     q = (torch.randn(T, HQ, D, generator=g)).bfloat16()
     output = torch.full((T, HQ * D), 7.0, dtype=torch.bfloat16)
     impl.forward(layer_ns, q.view(T, HQ * D), k2, v2, kv_cache, md, output)

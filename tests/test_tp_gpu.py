@@ -309,6 +309,8 @@ def test_tp2_divergence_per_layer_reported(ckpt, monkeypatch):
             a = min(eq(r[f"{i}.attn"][0], rank_slice(ref[f"{i}.attn"][0], k)) for k, r in enumerate(ranks))
             mo, res = ranks[0][f"{i}.block"][0], ranks[0][f"{i}.block"][1]
             g = " / ".join(str(r[f"{i}.g"][0].tolist()) for r in [ref] + list(ranks) if f"{i}.g" in r)
+            g += "  calibrated on (tokens, capturing, cache elements) " + " / ".join(
+                str(r[f"{i}.calib"][0].tolist()) for r in [ref] + list(ranks) if f"{i}.calib" in r)
             print(f"  layer {i}: {qkv}  attn {a:.4f}  moe {eq(mo, ref[f'{i}.block'][0]):.4f}  residual "
                   f"{eq(res, ref[f'{i}.block'][1]):.4f}  max {((res - ref[f'{i}.block'][1]).abs().max().item()):.3g}"
                   f"  g {g}")

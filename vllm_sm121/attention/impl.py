@@ -102,6 +102,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         self._g: torch.Tensor | None = None
         self._g_done: torch.Tensor | None = None
         self._calibrating = self._nvfp4
+        self._calib_log: list[tuple[int, int, int]] = []  # the batches ``_calibrate`` saw (see there)
         self._pages_src: torch.Tensor | None = None
         self._pages: tuple[Nvfp4Pages, Nvfp4Pages] | None = None
         fault = envs.VLLM_SM121_FAULT
@@ -149,7 +150,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             self._pages_src = kv_cache
         return self._pages
 
-    def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _calibrate(self, key: torch.Tensor, value: torch.Tensor, cache_numel: int = -1) -> None:
         """Set this layer's nvfp4 K/V global scales from the first non-empty batch it writes (under
         tensor parallelism from the max over all ranks' heads: TP=1's scales, see ``_tp_amax``).
 
@@ -158,6 +159,10 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         graphs and later steps carry no calibration work.
         """
         capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
+        # Which batches took part, for diagnosis (host-known values, no sync): (tokens, capturing, the
+        # cache's elements: 0 in vLLM's profile run, before the cache exists); a few entries at most.
+        if len(self._calib_log) < 8:
+            self._calib_log.append((int(key.shape[0]), int(capturing), int(cache_numel)))
         # (never a collective inside a captured graph: vLLM warms each FULL graph up eagerly first,
         # which calibrates; a graph captured before any calibration reduces over this rank's heads)
         calibrate_global_scales(key, value, self._g, self._g_done, reduce_amax=None if capturing else _tp_amax())
@@ -171,7 +176,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         n = min(key.shape[0], slot_mapping.shape[0])
         if self._nvfp4:
             if self._calibrating:
-                self._calibrate(key[:n], value[:n])
+                self._calibrate(key[:n], value[:n], kv_cache.numel())
             fp4_kv_write(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n], check=not self._write_checked)
             self._write_checked = True
             return

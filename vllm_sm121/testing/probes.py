@@ -73,11 +73,16 @@ def install_layer_dumps(worker) -> int:
 
 def layer_dumps(worker) -> dict:
     """What ``install_layer_dumps`` kept: {"<layer>.qkv": [q, k, v], "<layer>.attn": [out], "<layer>.block":
-    [mlp out, residual], "logits": [logits]}, plus "<layer>.g": [the nvfp4 K and V global scales] for
-    layers on an nvfp4 cache."""
+    [mlp out, residual], "logits": [logits]}, plus, for layers on an nvfp4 cache, "<layer>.g": [the K and
+    V global scales] and "<layer>.calib": [[tokens, capturing, cache elements] of each batch the
+    scales' calibration saw] (``SM121AttentionImpl._calibrate``)."""
+    import torch
+
     store = dict(getattr(worker, "_sm121_dumps", {}))
     for i, layer in enumerate(getattr(worker, "_sm121_dump_layers", [])):
-        g = getattr(getattr(layer.attn.attn, "impl", None), "_g", None)
+        impl = getattr(layer.attn.attn, "impl", None)
+        g = getattr(impl, "_g", None)
         if g is not None:
             store[f"{i}.g"] = [g.detach().float().cpu()]
+            store[f"{i}.calib"] = [torch.tensor(getattr(impl, "_calib_log", []), dtype=torch.int64).view(-1, 3)]
     return store
