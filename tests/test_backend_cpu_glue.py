@@ -214,3 +214,61 @@ def test_mixed_split_env_values(monkeypatch):
     monkeypatch.setenv(MIXED_SPLIT_ENV, "off")
     with pytest.raises(ValueError, match="VLLM_SM121_MIXED_SPLIT='off' is not supported"):
         mixed_split_enabled()
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_nvfp4_scales_from_the_first_real_tokens(backend_parts, monkeypatch, opt_in):
+    """$VLLM_SM121_KV_SCALE_REAL=1: the warm-up's dummy batch (every slot -1) sets the nvfp4 scales
+    first, as without it; the first batch with real slots sets them again from its real rows alone
+    (padding rows of any size ignored), once; later batches leave them. Off: the dummy batch's
+    scales stay. Refused where mixed batches replay FULL graphs."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+    from vllm_sm121.attention.impl import SM121AttentionImpl
+    from vllm_sm121.kernels.fp4_kv import global_scale_for
+
+    monkeypatch.setenv("VLLM_SM121_KV_SCALE_REAL", "1" if opt_in else "0")
+    builder, impls = backend_parts
+    old = impls["model.layers.0.self_attn.attn"]
+
+    def make():
+        impl = SM121AttentionImpl(HQ, D, old.scale, HKV, None, old.sliding_window, "nvfp4", old.logits_soft_cap,
+                                  "decoder", None, sinks=old.sinks)
+        impl.process_weights_after_loading(torch.bfloat16)
+        return impl
+
+    impl = make()
+    assert impl._real_scale_pending == opt_in
+    kv_cache = torch.zeros(SM121AttentionBackend.get_kv_cache_shape(4, BS, HKV, D, "nvfp4"), dtype=torch.uint8)
+    layer_ns = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    g = torch.Generator().manual_seed(11)
+
+    def batch(n, scale):
+        return [(torch.randn(n, HKV, D, generator=g) * scale).bfloat16() for _ in range(2)]
+
+    def scales_of(k, v):
+        return global_scale_for(torch.stack([k.abs().amax(), v.abs().amax()]).float())
+
+    k0, v0 = batch(6, 10.0)  # a dummy run: large values, no real slot
+    impl.do_kv_cache_update(layer_ns, k0, v0, kv_cache, torch.full((6,), -1, dtype=torch.int64))
+    torch.testing.assert_close(impl._g, scales_of(k0, v0))
+    assert impl._real_scale_pending == opt_in  # (a batch without real slots does not close it)
+    k1, v1 = batch(8, 1e-3)  # the first real batch: 5 real tokens, 3 padding rows of large values
+    k1[5:], v1[5:] = 1e3, -1e3
+    impl.do_kv_cache_update(layer_ns, k1, v1, kv_cache, torch.tensor([16, 17, 18, 33, 34, -1, -1, -1]))
+    want = scales_of(k1[:5], v1[:5]) if opt_in else scales_of(k0, v0)
+    torch.testing.assert_close(impl._g, want)
+    assert not impl._real_scale_pending
+    assert impl._calib_log == [(6, 0, kv_cache.numel())] + ([(5, 0, -2)] if opt_in else [])
+    k2, v2 = batch(4, 5.0)
+    impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, torch.tensor([19, 20, 35, 36]))
+    torch.testing.assert_close(impl._g, want)  # set once
+    if opt_in:  # (a stand-in for the engine's config: VllmConfig needs a device platform)
+        import vllm.config.vllm as vllm_config_module
+
+        for mode, pending in ((CUDAGraphMode.FULL, False), (CUDAGraphMode.FULL_AND_PIECEWISE, True),
+                              (CUDAGraphMode.FULL_DECODE_ONLY, True), (CUDAGraphMode.NONE, True)):
+            cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode))
+            monkeypatch.setattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: cfg)
+            assert make()._real_scale_pending == pending, mode

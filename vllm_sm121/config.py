@@ -137,6 +137,14 @@ TP_FP32_REDUCE_ENV = "VLLM_SM121_TP_FP32_REDUCE"
 # Under tensor parallelism each rank calibrates its layers' nvfp4 K/V global scales from the max over
 # all ranks' KV heads (vLLM's all-gather, first batches only), i.e. TP=1's scales; 0: its own heads
 KV_SCALE_TP_MAX_ENV = "VLLM_SM121_KV_SCALE_TP_MAX"
+# The nvfp4 K/V global scales are first set from the first batch a layer writes, which is one of
+# vLLM's dummy runs (profile / warm-up, every slot -1): so no captured graph carries calibration
+# work. Opt-in (1, read at layer construction; stop 37, CPU-tested only): the first batch that
+# writes real tokens, outside graph capture, sets them once more from those tokens alone (the
+# cache holds nothing real yet), so the scales follow real data, the same on every engine that sees
+# the same requests. Not where mixed batches replay FULL graphs (-cc.cudagraph_mode=FULL: a real
+# prefill may run in a graph first) nor once the qkv GEMV writes the cache ($VLLM_SM121_KV_IN_QKV).
+KV_SCALE_REAL_ENV = "VLLM_SM121_KV_SCALE_REAL"
 
 
 # Reproducibility mode on a one-rank engine: "tp2" / "ep2" computes o_proj and the MoE as the two
@@ -162,6 +170,11 @@ def tp_invariant_choice() -> str:
 def kv_scale_tp_max() -> bool:
     """$VLLM_SM121_KV_SCALE_TP_MAX (default on; read now)."""
     return _env_flag(KV_SCALE_TP_MAX_ENV, True)
+
+
+def kv_scale_real() -> bool:
+    """$VLLM_SM121_KV_SCALE_REAL (default off; read now)."""
+    return _env_flag(KV_SCALE_REAL_ENV, False)
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -14,7 +14,8 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from vllm_sm121 import envs
 from vllm_sm121.l2_plan import attention_prefetch
 from vllm_sm121.kernels import paged_attention, write_kv_cache
-from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write
+from vllm_sm121.kernels.fp4_kv import (Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write,
+                                       global_scale_for)
 
 from .metadata import SM121AttentionMetadata
 
@@ -34,6 +35,23 @@ def _tp_amax():
     if not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() == 1 or not kv_scale_tp_max():
         return None
     return lambda amax: tensor_model_parallel_all_gather(amax.view(1, 2), dim=0).amax(dim=0)
+
+
+def _real_scale_calibration_allowed() -> bool:
+    """Whether this engine may set the nvfp4 scales again from the first real tokens
+    ($VLLM_SM121_KV_SCALE_REAL, config.py): opted in, and no mixed (prefill) batch replays a FULL
+    graph -- a graph holds no calibration, so a real prefill inside one would write the cache with
+    the warm-up scales before any eager batch could reset them."""
+    from vllm.config import CUDAGraphMode
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    from vllm_sm121.config import kv_scale_real
+
+    if not kv_scale_real():
+        return False
+    vllm_config = get_current_vllm_config_or_none()
+    mode = None if vllm_config is None else getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is None or mode.mixed_mode() != CUDAGraphMode.FULL
 
 
 def _validate_sm121_options() -> None:
@@ -103,6 +121,9 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         self._g_done: torch.Tensor | None = None
         self._calibrating = self._nvfp4
         self._calib_log: list[tuple[int, int, int]] = []  # the batches ``_calibrate`` saw (see there)
+        # Opt-in: the first batch writing real tokens sets the scales once more from them alone
+        # (``_calibrate_real``); closed for good by that batch or by a qkv GEMV that writes the cache.
+        self._real_scale_pending = self._nvfp4 and _real_scale_calibration_allowed()
         self._pages_src: torch.Tensor | None = None
         self._pages: tuple[Nvfp4Pages, Nvfp4Pages] | None = None
         fault = envs.VLLM_SM121_FAULT
@@ -169,6 +190,27 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if not capturing:
             self._calibrating = not bool(self._g_done.all())
 
+    def _calibrate_real(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """$VLLM_SM121_KV_SCALE_REAL: the first batch (outside graph capture) that writes real tokens
+        (slot >= 0) sets this layer's scales from those tokens' amax (a padding or dummy row may hold
+        anything), under tensor parallelism over all ranks' heads as ``_calibrate``. One shot: the
+        cache holds no real token before this batch and is written with the final scales from it
+        on. A side whose real amax is 0 or not finite keeps its warm-up scale. One host sync per
+        layer and batch until then (dummy runs: every slot -1)."""
+        real = slot_mapping >= 0
+        if not bool(real.any()):
+            return
+        self._real_scale_pending = False
+        rows = torch.stack([key.abs().amax(dim=(1, 2)), value.abs().amax(dim=(1, 2))]).float()  # [2, n]
+        amax = torch.where(real[None, :], rows, torch.zeros_like(rows)).amax(dim=1)
+        reduce_amax = _tp_amax()
+        if reduce_amax is not None:
+            amax = reduce_amax(amax)
+        ok = torch.isfinite(amax) & (amax > 0)
+        self._g.copy_(torch.where(ok, global_scale_for(torch.where(ok, amax, 1.0)), self._g))
+        if len(self._calib_log) < 8:
+            self._calib_log.append((int(real.sum()), 0, -2))  # (-2: the real-token calibration)
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if self.kv_sharing_target_layer_name is not None:
             return
@@ -177,6 +219,8 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if self._nvfp4:
             if self._calibrating:
                 self._calibrate(key[:n], value[:n], kv_cache.numel())
+            if self._real_scale_pending and not (key.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._calibrate_real(key[:n], value[:n], slot_mapping[:n])
             fp4_kv_write(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n], check=not self._write_checked)
             self._write_checked = True
             return

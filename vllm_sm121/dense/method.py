@@ -83,6 +83,8 @@ def _dense_fp8_linear_rope_kv(x: torch.Tensor, w: torch.Tensor, scale: torch.Ten
     _, layer, kv_cache, slots = get_attention_context(_resolve_layer_name(layer_name))
     dep = torch.empty(0, device=kv_cache.device, dtype=kv_cache.dtype)
     if slots is not None and not layer.impl._calibrating and slots.shape[0] >= x.shape[0]:
+        # (the GEMV writes with the current scales, captured or not: no later reset, $VLLM_SM121_KV_SCALE_REAL)
+        layer.impl._real_scale_pending = False
         return kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size,
                       kv_write=(*layer.impl._kv(kv_cache), slots)), dep
     out = kernel(x, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size)
