@@ -105,23 +105,32 @@ def global_scale_for(amax: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate_global_scales(key: torch.Tensor, value: torch.Tensor, global_scales: torch.Tensor,
-                            done: torch.Tensor, reduce_amax=None) -> None:
+                            done: torch.Tensor | None, reduce_amax=None, rows: torch.Tensor | None = None) -> None:
     """Set ``global_scales`` [2] (K, V; fp32) from this batch unless ``done`` [2] (bool) says set.
 
     Device-only (graph-safe, no host sync): ``g = global_scale_for(amax)`` where amax is finite
     and > 0; otherwise the scale is left as it was and ``done`` stays False. ``reduce_amax``: maps
     this batch's [2] amax to the whole layer's (tensor parallelism: the max over the ranks' heads,
     so every rank calibrates as one unsharded layer would, and all ranks agree on ``done``).
+    ``rows`` [T] (bool): only these tokens count (the others may hold anything); ``done=None``:
+    set regardless of earlier calibrations (nothing recorded).
     """
-    amax = torch.stack([key.abs().amax(), value.abs().amax()]).float() if key.numel() else None
-    if amax is None:
+    if not key.numel():
         return
+    if rows is None:
+        amax = torch.stack([key.abs().amax(), value.abs().amax()]).float()
+    else:
+        per_row = torch.stack([key.abs().amax(dim=(1, 2)), value.abs().amax(dim=(1, 2))]).float()  # [2, T]
+        amax = torch.where(rows[None, :], per_row, torch.zeros_like(per_row)).amax(dim=1)
     if reduce_amax is not None:
         amax = reduce_amax(amax)
-    ok = torch.isfinite(amax) & (amax > 0) & ~done
+    ok = torch.isfinite(amax) & (amax > 0)
+    if done is not None:
+        ok &= ~done
     safe = torch.where(ok, amax, 1.0)  # log2 of 0 / inf / NaN never reaches the result
     global_scales.copy_(torch.where(ok, global_scale_for(safe), global_scales))
-    done.logical_or_(ok)
+    if done is not None:
+        done.logical_or_(ok)
 
 
 def fp4_kv_write(key, value, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, slot_mapping: torch.Tensor, *,

@@ -257,11 +257,11 @@ def _divergence_prompt():
     tokens (default: the dumped forward's) in two chunks, the second the dumped forward's N tokens
     (``probes.dump_tokens()``; e.g. P = 2049, N = 110: the TP=2 tail of stop 37's 2049-token
     prompt); one forward when P = N."""
+    from vllm_sm121.envs import env_int
     from vllm_sm121.testing import probes
 
     n = probes.dump_tokens()
-    text = os.environ.get(DIVERGENCE_PROMPT_ENV, "").strip()
-    total = int(text) if text else n
+    total = env_int(DIVERGENCE_PROMPT_ENV, n)
     if total != n and total <= 2 * n:
         raise ValueError(f"${DIVERGENCE_PROMPT_ENV}={total}: must equal ${probes.DUMP_TOKENS_ENV} ({n}) or be more than "
                          f"twice it (prefill chunks of P - N tokens: the second, of N, must be the last)")

@@ -14,8 +14,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from vllm_sm121 import envs
 from vllm_sm121.l2_plan import attention_prefetch
 from vllm_sm121.kernels import paged_attention, write_kv_cache
-from vllm_sm121.kernels.fp4_kv import (Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write,
-                                       global_scale_for)
+from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write
 
 from .metadata import SM121AttentionMetadata
 
@@ -171,7 +170,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             self._pages_src = kv_cache
         return self._pages
 
-    def _calibrate(self, key: torch.Tensor, value: torch.Tensor, cache_numel: int = -1) -> None:
+    def _calibrate(self, key: torch.Tensor, value: torch.Tensor, cache_numel: int) -> None:
         """Set this layer's nvfp4 K/V global scales from the first non-empty batch it writes (under
         tensor parallelism from the max over all ranks' heads: TP=1's scales, see ``_tp_amax``).
 
@@ -201,13 +200,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if not bool(real.any()):
             return
         self._real_scale_pending = False
-        rows = torch.stack([key.abs().amax(dim=(1, 2)), value.abs().amax(dim=(1, 2))]).float()  # [2, n]
-        amax = torch.where(real[None, :], rows, torch.zeros_like(rows)).amax(dim=1)
-        reduce_amax = _tp_amax()
-        if reduce_amax is not None:
-            amax = reduce_amax(amax)
-        ok = torch.isfinite(amax) & (amax > 0)
-        self._g.copy_(torch.where(ok, global_scale_for(torch.where(ok, amax, 1.0)), self._g))
+        calibrate_global_scales(key, value, self._g, None, reduce_amax=_tp_amax(), rows=real)
         if len(self._calib_log) < 8:
             self._calib_log.append((int(real.sum()), 0, -2))  # (-2: the real-token calibration)
 

@@ -4,8 +4,6 @@ callables only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` set for the engine, 
 
 from __future__ import annotations
 
-import os
-
 
 def decode_parts_built(worker) -> int:
     """Mixed batches the SM121 builder gave a split decode launch in this worker so far."""
@@ -30,12 +28,12 @@ DUMP_TOKENS_ENV = "SM121_DUMP_TOKENS"
 
 def dump_tokens() -> int:
     """The token count of the forward the dumps record: $SM121_DUMP_TOKENS, else DUMP_TOKENS."""
-    text = os.environ.get(DUMP_TOKENS_ENV, "").strip()
-    if not text:
-        return DUMP_TOKENS
-    if not text.isdigit() or int(text) < 2:
-        raise ValueError(f"${DUMP_TOKENS_ENV}={text!r} is not supported; supported: an integer >= 2 (tokens)")
-    return int(text)
+    from vllm_sm121.envs import env_int
+
+    n = env_int(DUMP_TOKENS_ENV, DUMP_TOKENS)
+    if n < 2:
+        raise ValueError(f"${DUMP_TOKENS_ENV}={n} is not supported; supported: an integer >= 2 (tokens)")
+    return n
 
 
 def install_layer_dumps(worker) -> int:
