@@ -989,13 +989,21 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
 # variable VLLM_SM121_MOE_FMA_MAX_TOKENS, read at call time, overrides it (A/B runs).
 FMA_MAX_TOKENS = 4
 FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
-# Chunked FMA: M up to FMA_CHUNK_MAX_TOKENS runs the FMA GEMVs on consecutive chunks of
-# FMA_KERNEL_MAX_TOKENS tokens after one routing launch (each token's output depends on its own
-# slots only). With distinct experts per token (real routing at small M) the weight bytes are
-# those of one call; H100 at 8e7318f: FMA 179 us at M = 4 vs 670 us for the dot_scaled decode at
-# M = 8 and 1.5 ms for the grouped GEMMs. Off (0) until timed on a GPU:
-# $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS (read at call time) turns it on for A/B runs.
-FMA_CHUNK_MAX_TOKENS = 0
+# Chunked FMA: M up to the family's FMA_CHUNK_MAX_TOKENS runs the FMA GEMVs on consecutive chunks
+# of FMA_KERNEL_MAX_TOKENS tokens after one routing launch (each token's output depends on its own
+# slots only). Each chunk streams its own routed experts, so an expert routed in two chunks is read
+# twice: with uniform top-4-of-128 routing ~6% more weight bytes than the grouped GEMMs at M = 8 and
+# ~20% at M = 16. Performance hyper-parameters, per architecture family:
+# * sm_90: the grouped GEMMs are instruction-bound there (25-35% of the copy bandwidth), the FMA
+#   GEMVs less so. H200, same run (318e2f3, docs/moe-chunk-h200-318e2f3.json, gpt-oss-120b
+#   layer): M = 5 / 8 / 16 / 32 took 147.6 / 221.8 / 439.9 / 855.2 us chunked vs 236.9 / 315.9 /
+#   464.8 / 723.6 us grouped, hence 16.
+# * sm_12x: 0 (the grouped GEMMs from M = 5). Not timed (no GB10); an estimate: GB10 has ~0.44x an
+#   H200's instruction rate but 273 GB/s, so both paths would be bound by the bytes they read
+#   there (M = 8 grouped: ~0.7 ms of instructions vs ~1.7 ms of DRAM time at 85% of 273 GB/s),
+#   and the grouped GEMMs read fewer.
+# $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS (read at call time) overrides it (A/B runs; 0: off).
+FMA_CHUNK_MAX_TOKENS: dict[str, int] = {_platform.SM90: 16, _platform.SM12X: 0, _platform.INTERPRETER: 0}
 FMA_CHUNK_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS"
 # H100 at 8e7d4de (docs/moe-grouped-sweep-h100-8e7d4de.json): the swap-AB grouped GEMMs take
 # M = 8 in 375 us against 675 us for the dot_scaled decode GEMVs, which keep M <= 4 only (122 us
@@ -1016,10 +1024,18 @@ class L2Plan:
     w2_late: bool = False
 
 
-def select_path(m: int) -> str:
-    """The path ``moe_block(path="auto")`` takes for M tokens (from M alone: graph-capturable)."""
+def fma_chunk_max_tokens(t: torch.Tensor | None = None) -> int:
+    """The largest M the FMA path takes in chunks on ``t``'s device: $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS
+    if set (read now), else FMA_CHUNK_MAX_TOKENS of its family (0, off, without a tensor)."""
+    default = 0 if t is None else FMA_CHUNK_MAX_TOKENS.get(_platform.family_of(t), 0)
+    return V.env_int(FMA_CHUNK_MAX_TOKENS_ENV, default)
+
+
+def select_path(m: int, t: torch.Tensor | None = None) -> str:
+    """The path ``moe_block(path="auto")`` takes for M tokens on ``t``'s device (from M and the
+    device alone: graph-capturable)."""
     fma_max = min(V.env_int(FMA_MAX_TOKENS_ENV, FMA_MAX_TOKENS), FMA_KERNEL_MAX_TOKENS)
-    chunk_max = V.env_int(FMA_CHUNK_MAX_TOKENS_ENV, FMA_CHUNK_MAX_TOKENS)
+    chunk_max = fma_chunk_max_tokens(t)
     if m <= fma_max or (fma_max > 0 and m <= chunk_max):
         return "fma"
     return "decode" if m <= DECODE_MAX_TOKENS else "grouped"
@@ -1070,7 +1086,7 @@ def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias
         raise ValueError(f"path={path!r} is not supported; supported: {', '.join(PATHS)}")
     m = x.shape[0]
     if path == "auto":
-        path = select_path(m)
+        path = select_path(m, x)
     # routing inside FC1 (opt-in, one chunk of MXFP8 tokens): FC1 fills topk_w / topk_ids
     fuse = path == "fma" and 0 < m <= FMA_KERNEL_MAX_TOKENS and x.dtype != torch.bfloat16 and fused_route(m, x)
     # otherwise, every path: routing and the MXFP8 quantization of bf16 x in one launch (not per FC1 program)

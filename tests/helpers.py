@@ -159,28 +159,31 @@ def one_rank_groups(vllm_config):
             ps.destroy_distributed_environment()
 
 
-def greedy_agreement(pass0, pass1, tie: float = 0.05):
+def greedy_agreement(pass0, pass1, tie: float | None = 0.05):
     """Compare two greedy passes over the same prompts position by position, up to each
     sequence's first differing token (after it the contexts differ and nothing is comparable).
 
     Returns (|delta logprob| of the chosen token over the common positions, list of divergences).
     At a divergence the two chosen tokens must be a near-tie in BOTH passes: each pass's token is
     in the other's top-k with a logprob within ``tie`` of that pass's best; else it is recorded
-    as a real divergence (returned as (seq, pos, margin0, margin1)).
+    as a real divergence (returned as (seq, pos, margin0, margin1)). ``tie=None``: the noise of
+    these two passes, the larger of 0.05 and the largest |delta| where they agree.
     """
-    deltas, bad = [], []
+    deltas, agree, flips = [], [], []
     for s, (steps0, steps1) in enumerate(zip(pass0, pass1)):
         for pos, ((t0, d0), (t1, d1)) in enumerate(zip(steps0, steps1)):
             if t0 == t1:
                 deltas.append(abs(d0[t0].logprob - d1[t1].logprob))
+                agree.append(deltas[-1])
                 continue
             m0 = d0[t0].logprob - d0[t1].logprob if t1 in d0 else float("inf")
             m1 = d1[t1].logprob - d1[t0].logprob if t0 in d1 else float("inf")
             deltas.append(abs(d0[t0].logprob - d1[t1].logprob))  # both are their pass's best
-            if m0 > tie or m1 > tie:
-                bad.append((s, pos, m0, m1))
+            flips.append((s, pos, m0, m1))
             break
-    return torch.tensor(deltas), bad
+    if tie is None:
+        tie = max([0.05, *agree])
+    return torch.tensor(deltas), [f for f in flips if f[2] > tie or f[3] > tie]
 
 
 def generate_and_score(llm, prompts, gen: int = 0):

@@ -249,7 +249,10 @@ def test_configs_table():
                  "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg", "sm121-all-moe-optins",
                  "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes", "sm121-all-moe-normqkv",
                  "sm121-all-moe-normf16", "sm121-all-moe-nonorm", "sm121-all-moe-f16word",
-                 "sm121-all-moe-bf16reduce")
+                 "sm121-all-moe-bf16reduce", "sm121-all-moe-nochunk")
+    # stop 38: the chunked FMA MoE's A/B (grouped GEMMs from M = 5 again)
+    assert dict(by["sm121-all-moe-nochunk"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
+                                                     "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS": "0"}
     # stop 35: the TP fp32 reduces' A/B
     assert dict(by["sm121-all-moe-bf16reduce"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
                                                         "VLLM_SM121_TP_FP32_REDUCE": "0"}
@@ -503,6 +506,14 @@ def test_greedy_agreement_tolerates_near_tie_flips_only():
     far1 = [[(7, lp(t7=-0.1, t5=-3.0)), (2, lp(t2=-0.1))]]
     _, bad = greedy_agreement(tie0, far1)
     assert bad and bad[0][:2] == (0, 0)
+    # tie=None: a flip's margins are judged against the two passes' noise where they agree
+    noisy0 = [[(5, lp(t5=-1.0)), (5, lp(t5=-0.5, t7=-0.58)), (1, lp(t1=-0.1))]]
+    noisy1 = [[(5, lp(t5=-1.1)), (7, lp(t7=-0.5, t5=-0.55)), (2, lp(t2=-0.1))]]  # agree with |delta| 0.1, then flip
+    assert greedy_agreement(noisy0, noisy1)[1]  # margin 0.08 > the fixed 0.05
+    d, bad = greedy_agreement(noisy0, noisy1, tie=None)
+    assert bad == [] and d.numel() == 2  # 0.08 and 0.05 are within that run's 0.1
+    quiet1 = [[(5, lp(t5=-1.0)), (7, lp(t7=-0.5, t5=-0.55)), (2, lp(t2=-0.1))]]  # no noise: the 0.05 floor
+    assert greedy_agreement(noisy0, quiet1, tie=None)[1]
 
 
 def test_dry_run_plan_carries_the_config_environment(tmp_path):

@@ -189,7 +189,8 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if not capturing:
             self._calibrating = not bool(self._g_done.all())
 
-    def _calibrate_real(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _calibrate_real(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                        name: str = "?") -> None:
         """$VLLM_SM121_KV_SCALE_REAL: the first batch (outside graph capture) that writes real tokens
         (slot >= 0) sets this layer's scales from those tokens' amax (a padding or dummy row may hold
         anything), under tensor parallelism over all ranks' heads as ``_calibrate``. One shot: the
@@ -200,7 +201,12 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if not bool(real.any()):
             return
         self._real_scale_pending = False
+        before = self._g.clone()
         calibrate_global_scales(key, value, self._g, None, reduce_amax=_tp_amax(), rows=real)
+        # (one more sync, once per layer; the log says the option took effect and whether it changed anything)
+        logger.info("SM121 nvfp4 KV, %s: global scales (K, V) %s from the first %d real tokens "
+                    "($VLLM_SM121_KV_SCALE_REAL; warm-up gave %s)", name,
+                    self._g.tolist(), int(real.sum()), before.tolist())
         if len(self._calib_log) < 8:
             self._calib_log.append((int(real.sum()), 0, -2))  # (-2: the real-token calibration)
 
@@ -213,7 +219,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             if self._calibrating:
                 self._calibrate(key[:n], value[:n], kv_cache.numel())
             if self._real_scale_pending and not (key.is_cuda and torch.cuda.is_current_stream_capturing()):
-                self._calibrate_real(key[:n], value[:n], slot_mapping[:n])
+                self._calibrate_real(key[:n], value[:n], slot_mapping[:n], getattr(layer, "layer_name", "?"))
             fp4_kv_write(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n], check=not self._write_checked)
             self._write_checked = True
             return
