@@ -64,6 +64,7 @@ Limitations
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 
@@ -916,6 +917,33 @@ def _grouped_align(align, topk_ids: torch.Tensor, e: int, tiles: GroupedTiles):
     return align
 
 
+_F2_SEEN: collections.OrderedDict[tuple, tuple[torch.Tensor, int, bool]] = collections.OrderedDict()
+_F2_SEEN_MAX = 512  # (scale tensors held: 2 per MoE layer of the models in this process)
+
+
+def weight_scales_need_f2(w_scale: torch.Tensor) -> bool:
+    """Whether some e8m0 byte of ``w_scale`` exceeds 128 (a block scale above 2): only then do the
+    grouped GEMMs' weight decoders need their second power-of-two factor (``mxfp4_tile_bf16``'s
+    F2; checkpoints' expert scales stay far below, dummy weights are 0). Checked once per tensor
+    and in-place version (one host sync; vLLM's eager profile run checks its parameters before any
+    graph is captured). The answer is kept with a reference to the tensor, so its memory cannot be
+    reused by another tensor while the answer stands (a view of it at the same address has the
+    same bytes, and any in-place write bumps the shared version). During a capture with no answer
+    kept: True (the decoder that is exact for every byte)."""
+    key = (w_scale.data_ptr(), tuple(w_scale.shape), tuple(w_scale.stride()), str(w_scale.device))
+    seen = _F2_SEEN.get(key)
+    if seen is not None and seen[1] == w_scale._version:
+        _F2_SEEN.move_to_end(key)
+        return seen[2]
+    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    need = bool((w_scale.max() > 128).item()) if w_scale.numel() else False
+    _F2_SEEN[key] = (w_scale, w_scale._version, need)
+    while len(_F2_SEEN) > _F2_SEEN_MAX:
+        _F2_SEEN.popitem(last=False)
+    return need
+
+
 def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None):
     """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs.
 
@@ -937,7 +965,7 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
             K=k, I=i, TOPK=topk, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
             BLOCK_K=min(tiles.block_k, triton.next_power_of_2(k)), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
             A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER, HW_FP8=_gpu_flags(a)["HW_FP8"],
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            W_F2=weight_scales_need_f2(w13_scale), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -974,8 +1002,8 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
             h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
             H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=min(tiles.block_k, triton.next_power_of_2(i)),
-            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
+            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=weight_scales_need_f2(w2_scale),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
     return part.sum(1).to(out_dtype)
 

@@ -601,7 +601,8 @@ DECODE_SCALES = (0, 1, 2, 100, 118, 119, 120, 121, 126, 127, 128, 129, 134, 135,
 @triton.jit
 def _mxfp4_decode_kernel(wq_ptr, ws_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
     """MODE 0: mxfp4_tile_bf16 (fp32 emulation), 1: the same on bf16 arithmetic (GPU), 2: the
-    fp32 decoder load_mxfp4_tile, 3: a single-factor scale (negative control: no F1/F2 split)."""
+    fp32 decoder load_mxfp4_tile, 3: a single-factor scale (negative control: no F1/F2 split),
+    4 / 5: mxfp4_tile_bf16 without its F2 factor (W_F2=False; fp32 emulation / bf16 arithmetic)."""
     r = tl.arange(0, ROWS)
     k = tl.arange(0, BLOCK_K)
     if MODE == 2:
@@ -614,6 +615,8 @@ def _mxfp4_decode_kernel(wq_ptr, ws_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: t
             v = tl.reshape(mxfp4_tile_bf16(wq, ones, ROWS, BLOCK_K, True), [ROWS, BLOCK_K // 32, 32])
             f = _bf16_bits((tl.maximum(ws.to(tl.int32), 1) + 126) << 7, True)  # 2**(x - 1): leaves bf16 for x > 128
             w = tl.reshape(v * 2.0**-126 * f[:, :, None], [ROWS, BLOCK_K])
+        elif MODE >= 4:
+            w = mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, MODE == 4, False)
         else:
             w = mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, MODE == 0)
     tl.store(out_ptr + r[:, None] * BLOCK_K + k[None, :], w)
@@ -640,6 +643,10 @@ def test_grouped_weight_decode_is_exact_for_every_code_and_scale(device):
     assert torch.equal(out[:n], fp32_decoder[:n])
     naive, _, _ = _decode_mxfp4(device, 3)
     same = [torch.equal(naive[r].view(torch.int32), ref[r].view(torch.int32)) for r in range(n)]
+    assert same == [s <= 128 for s in DECODE_SCALES]
+    # without F2 (W_F2=False, the launchers' choice when every scale byte is <= 128): exact up to 128 only
+    no_f2, _, _ = _decode_mxfp4(device, 4 if device == "cpu" else 5, torch.float32 if device == "cpu" else torch.bfloat16)
+    same = [torch.equal(no_f2[r].float().view(torch.int32), ref[r].view(torch.int32)) for r in range(n)]
     assert same == [s <= 128 for s in DECODE_SCALES]
     # every value is a bf16 (the operand is exact)
     assert torch.equal(out[:n].bfloat16().float().view(torch.int32), out[:n].view(torch.int32))
@@ -732,6 +739,35 @@ def test_grouped_fc1_fc2_match_reference(device, m, k, i, e, topk, tiles):
     out = moe_fc2_grouped(dev(h), dev(h_scale), dev(w2), dev(w2_scale), dev(b2), dev(topk_ids), dev(topk_w), align, t)
     assert ref.abs().max() > 0.5
     torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=1e-5)
+
+
+def test_grouped_weight_f2_choice_follows_the_scale_bytes(device):
+    """The grouped launchers drop the decoder's F2 factor only for weight scales whose bytes are all
+    <= 128 (``weight_scales_need_f2``, remembered per tensor and version): scales above 2 still
+    match the reference, an in-place write of such a byte is seen, and the check's answer is kept."""
+    from vllm_sm121.kernels import moe as K
+
+    m, k, i, e, topk = 5, 64, 64, 4, 2
+    _, _, _, _, _, _, topk_ids = _fc1_case(m, k, i, e, topk, seed=90)
+    g = torch.Generator().manual_seed(91)
+    w2 = torch.randint(0, 256, (e, k, i // 2), generator=g, dtype=torch.uint8)
+    w2_scale = torch.randint(124, 129, (e, k, i // 32), generator=g, dtype=torch.uint8)  # up to 128: no F2
+    b2 = (torch.randn(e, k, generator=g) * 0.5).bfloat16()
+    topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
+    h, h_scale = mxfp8_quantize_torch(torch.randn(m * topk, i, generator=g))
+    dev = lambda v: v.to(device)  # noqa: E731
+    ws = dev(w2_scale)
+    assert K.weight_scales_need_f2(ws) is False and K.weight_scales_need_f2(ws[:1]) is False
+    args = (dev(h), dev(h_scale), dev(w2))
+    tail = (dev(b2), dev(topk_ids), dev(topk_w))
+    for bump in (None, 131, 135):  # then bytes above 128, written in place (the version changes)
+        if bump is not None:
+            ws[0, 0, 0] = bump
+            w2_scale[0, 0, 0] = bump
+        assert K.weight_scales_need_f2(ws) is (bump is not None)
+        ref = K.moe_fc2_combine_torch(h, h_scale, w2, w2_scale, b2, topk_ids, topk_w)
+        out = K.moe_fc2_grouped(*args, ws, *tail).cpu().float()
+        torch.testing.assert_close(out, ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
 
 
 def test_grouped_block_with_env_tiles_matches_reference(device, monkeypatch):

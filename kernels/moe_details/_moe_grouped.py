@@ -16,7 +16,8 @@ of mma.sync m16n8k16 on sm_12x (no wgmma there; the PTX is checked by tests/test
 
 Operands are exact bf16 (``_mx.py``): the MXFP4 weights decoded with integer ops straight into
 bf16 pairs (``mxfp4_tile_bf16``: 4 integer ops per byte, then two power-of-two multiplies per
-pair in ``mul.rn.bf16x2``), the MXFP8 activations likewise (``mxfp8_tile_bf16``: ``prmt`` +
+pair in ``mul.rn.bf16x2``, one when every weight scale byte is <= 128: W_F2, checked once per
+weight tensor by the launchers), the MXFP8 activations likewise (``mxfp8_tile_bf16``: ``prmt`` +
 shift + mask per pair, two multiplies). No fp32 detour, no conversion instruction. They are the
 values the previous fp32 decode fed ``tl.dot`` (activations below 2**-133 round to bf16 the same
 way), so results match it up to the fp32 summation order. The e8m0 scales of the next K step
@@ -25,7 +26,10 @@ Cost (sm_90a SASS of FC1's K loop, per thread and step of 128 weight values): 73
 at BLOCK_M 16 (weights: 64 ``LDS.U8``, 128 IMAD + 128 LOP3, 128 ``HMUL2``; the rest activations,
 scales, addressing, 16 ``HGMMA.64x16x16``), 799 at 32; the previous kernel took 1484 per 64
 weight values (fp32 decode, ``FMUL``/``FFMA``/``I2FP``/``F2FP`` per value): 5.7 instead of 23
-per weight value.
+per weight value. With the table's 64-wide K steps (4 warps, 64 weight values per thread and
+step; ``python -m kernels.aot --sass-loop grouped --arch 90``): 401 instructions at BLOCK_M 16,
+415 / 421 (FC1 / FC2) at 32; without the weights' F2 multiply (W_F2 False, stop 38) 358 and 375 /
+377, about a tenth fewer (not timed yet).
 
 FC1 with bf16 input (A_MXFP8 off) quantizes the activations to MXFP8 and back in registers
 (``mxfp8_roundtrip``) in every program; ``moe_block`` quantizes once, in the routing launch,
@@ -73,14 +77,14 @@ def _scales(s_ptr, rows, row_ok, g0, K: tl.constexpr, BLOCK_K: tl.constexpr, ROW
 
 @triton.jit
 def _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
+                 DOT_FP32: tl.constexpr, W_F2: tl.constexpr):
     """Rows ``w_rows`` of an MXFP4 matrix ([*, K/2] e2m1 pairs), bytes kb .. kb + BLOCK_K/2 (k from
     2 * kb), with their scales ws [ROWS, BLOCK_K/32] -> exact [ROWS, BLOCK_K] bf16 (fp32 when
     DOT_FP32); zeros past K."""
     offs_kb = kb + tl.arange(0, BLOCK_K // 2)
     wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
                  mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    return mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, DOT_FP32)
+    return mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, DOT_FP32, W_F2)
 
 
 @triton.jit
@@ -130,6 +134,7 @@ def _moe_fc1_grouped_kernel(
     A_MXFP8: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter: fp32 operands (it mis-computes bf16)
     HW_FP8: tl.constexpr,  # GPU: hardware fp32 -> e4m3 rounding of the output; interpreter: software
+    W_F2: tl.constexpr = True,  # False: every weight scale byte is <= 128 (one multiply per pair fewer)
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
@@ -149,7 +154,7 @@ def _moe_fc1_grouped_kernel(
         a_s = as_nxt
         ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, K, BLOCK_K, True)
         as_nxt = _scales(a_scale_ptr, token, m_ok & A_MXFP8, kb // 16 + BLOCK_K // 32, K, BLOCK_K, False)
-        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K, 2 * BLOCK_N, BLOCK_K, DOT_FP32)
+        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K, 2 * BLOCK_N, BLOCK_K, DOT_FP32, W_F2)
         a = _act_tile_t(a_ptr, a_s, token, m_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
         acc = tl.dot(w, a, acc)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -184,6 +189,7 @@ def _moe_fc2_grouped_kernel(
     BLOCK_N: tl.constexpr,  # rows of H per program: the MMA's M
     BLOCK_K: tl.constexpr,  # power of two >= 32
     DOT_FP32: tl.constexpr,
+    W_F2: tl.constexpr = True,  # as FC1's
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
@@ -200,7 +206,7 @@ def _moe_fc2_grouped_kernel(
         a_s = as_nxt
         ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, True)
         as_nxt = _scales(h_scale_ptr, pair, m_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, False)
-        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, I, BLOCK_N, BLOCK_K, DOT_FP32)
+        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, I, BLOCK_N, BLOCK_K, DOT_FP32, W_F2)
         a = _act_tile_t(h_ptr, a_s, pair, m_ok, 2 * kb, I, BLOCK_M, BLOCK_K, True, DOT_FP32)
         acc = tl.dot(w, a, acc)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
