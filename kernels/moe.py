@@ -929,16 +929,24 @@ def weight_scales_need_f2(w_scale: torch.Tensor) -> bool:
     graph is captured). The answer is kept with a reference to the tensor, so its memory cannot be
     reused by another tensor while the answer stands (a view of it at the same address has the
     same bytes, and any in-place write bumps the shared version). During a capture with no answer
-    kept: True (the decoder that is exact for every byte)."""
+    kept: True (the decoder that is exact for every byte). An inference tensor (made under
+    ``torch.inference_mode``; vLLM loads its weights outside it) has no version counter, so its
+    answer is never kept: checked on every call outside a capture."""
+    try:
+        version = w_scale._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        version = None
     key = (w_scale.data_ptr(), tuple(w_scale.shape), tuple(w_scale.stride()), str(w_scale.device))
-    seen = _F2_SEEN.get(key)
-    if seen is not None and seen[1] == w_scale._version:
+    seen = _F2_SEEN.get(key) if version is not None else None
+    if seen is not None and seen[1] == version:
         _F2_SEEN.move_to_end(key)
         return seen[2]
     if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
         return True
     need = bool((w_scale.max() > 128).item()) if w_scale.numel() else False
-    _F2_SEEN[key] = (w_scale, w_scale._version, need)
+    if version is None:
+        return need
+    _F2_SEEN[key] = (w_scale, version, need)
     while len(_F2_SEEN) > _F2_SEEN_MAX:
         _F2_SEEN.popitem(last=False)
     return need

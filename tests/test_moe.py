@@ -768,6 +768,11 @@ def test_grouped_weight_f2_choice_follows_the_scale_bytes(device):
         ref = K.moe_fc2_combine_torch(h, h_scale, w2, w2_scale, b2, topk_ids, topk_w)
         out = K.moe_fc2_grouped(*args, ws, *tail).cpu().float()
         torch.testing.assert_close(out, ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
+    with torch.inference_mode():  # no version counter: checked again on every call, never kept
+        inf_ws = torch.full((2, 3), 120, dtype=torch.uint8)
+        assert K.weight_scales_need_f2(inf_ws) is False
+        inf_ws[0, 0] = 200
+        assert K.weight_scales_need_f2(inf_ws) is True
 
 
 def test_grouped_block_with_env_tiles_matches_reference(device, monkeypatch):
