@@ -64,7 +64,6 @@ Limitations
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 
@@ -917,47 +916,24 @@ def _grouped_align(align, topk_ids: torch.Tensor, e: int, tiles: GroupedTiles):
     return align
 
 
-_F2_SEEN: collections.OrderedDict[tuple, tuple[torch.Tensor, int, bool]] = collections.OrderedDict()
-_F2_SEEN_MAX = 512  # (scale tensors held: 2 per MoE layer of the models in this process)
-
-
 def weight_scales_need_f2(w_scale: torch.Tensor) -> bool:
     """Whether some e8m0 byte of ``w_scale`` exceeds 128 (a block scale above 2): only then do the
     grouped GEMMs' weight decoders need their second power-of-two factor (``mxfp4_tile_bf16``'s
-    F2; checkpoints' expert scales stay far below, dummy weights are 0). Checked once per tensor
-    and in-place version (one host sync; vLLM's eager profile run checks its parameters before any
-    graph is captured). The answer is kept with a reference to the tensor, so its memory cannot be
-    reused by another tensor while the answer stands (a view of it at the same address has the
-    same bytes, and any in-place write bumps the shared version). During a capture with no answer
-    kept: True (the decoder that is exact for every byte). An inference tensor (made under
-    ``torch.inference_mode``; vLLM loads its weights outside it) has no version counter, so its
-    answer is never kept: checked on every call outside a capture."""
-    try:
-        version = w_scale._version
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        version = None
-    key = (w_scale.data_ptr(), tuple(w_scale.shape), tuple(w_scale.stride()), str(w_scale.device))
-    seen = _F2_SEEN.get(key) if version is not None else None
-    if seen is not None and seen[1] == version:
-        _F2_SEEN.move_to_end(key)
-        return seen[2]
-    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True
-    need = bool((w_scale.max() > 128).item()) if w_scale.numel() else False
-    if version is None:
-        return need
-    _F2_SEEN[key] = (w_scale, version, need)
-    while len(_F2_SEEN) > _F2_SEEN_MAX:
-        _F2_SEEN.popitem(last=False)
-    return need
+    F2; checkpoints' expert scales stay far below, dummy weights are 0). One host sync: for a
+    caller that knows when the weights are final (``w_f2`` of the grouped launchers). Not decided per call: vLLM reloads weights in place (through ``.data``,
+    which no version counter of the parameter sees) into tensors that captured graphs keep."""
+    return bool((w_scale.view(torch.uint8).max() > 128).item()) if w_scale.numel() else False
 
 
-def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None):
+def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None,
+                           w_f2: bool = True):
     """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs.
 
     ``align``: ``moe_align(topk_ids, E, tiles.block_m)`` if already built; ``tiles``: default
     ``grouped_tiles(a, M, topk, E)``. bf16 ``a`` is quantized to MXFP8 and back in
     registers by every program (``moe_block`` quantizes once, in the routing launch, instead).
+    ``w_f2=False``: the caller knows every byte of ``w13_scale`` is <= 128 (``weight_scales_need_f2``)
+    and the weight decoder skips its second multiply (the same values; wrong above 128).
     """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     mxfp8 = a.dtype != torch.bfloat16
@@ -973,7 +949,7 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
             K=k, I=i, TOPK=topk, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
             BLOCK_K=min(tiles.block_k, triton.next_power_of_2(k)), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
             A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER, HW_FP8=_gpu_flags(a)["HW_FP8"],
-            W_F2=weight_scales_need_f2(w13_scale), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            W_F2=w_f2, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -997,9 +973,10 @@ def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[
 
 
 def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None,
-                    tiles: GroupedTiles | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                    tiles: GroupedTiles | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                    w_f2: bool = True) -> torch.Tensor:
     """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H], or fp32 for
-    ``out_dtype``); ``align`` and ``tiles`` as in ``moe_fc1_swiglu_grouped``."""
+    ``out_dtype``); ``align``, ``tiles`` and ``w_f2`` (for ``w2_scale``) as in ``moe_fc1_swiglu_grouped``."""
     out_dtype = _out_dtype(out_dtype)
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     tiles = tiles or grouped_tiles(h, m, topk, e)
@@ -1010,7 +987,7 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
             h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
             H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=min(tiles.block_k, triton.next_power_of_2(i)),
-            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=weight_scales_need_f2(w2_scale),
+            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=w_f2,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
     return part.sum(1).to(out_dtype)
@@ -1072,7 +1049,7 @@ def select_path(m: int, t: torch.Tensor | None = None) -> str:
     device alone: graph-capturable)."""
     fma_max = min(V.env_int(FMA_MAX_TOKENS_ENV, FMA_MAX_TOKENS), FMA_KERNEL_MAX_TOKENS)
     chunk_max = fma_chunk_max_tokens(t)
-    if m <= fma_max or (fma_max > 0 and m <= chunk_max):
+    if m <= fma_max or (fma_max >= FMA_KERNEL_MAX_TOKENS and m <= chunk_max):  # (chunks: whole FMA launches)
         return "fma"
     return "decode" if m <= DECODE_MAX_TOKENS else "grouped"
 

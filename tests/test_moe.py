@@ -320,6 +320,9 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     monkeypatch.setenv(K.FMA_CHUNK_MAX_TOKENS_ENV, "16")
     assert [K.select_path(m) for m in (4, 5, 16, 17)] == ["fma", "fma", "fma", "grouped"]
     assert [K.select_path(m, cpu) for m in (4, 5, 16, 17)] == ["fma", "fma", "fma", "grouped"]
+    with monkeypatch.context() as mp:  # an FMA limit under a whole chunk also turns the chunks off
+        mp.setenv(K.FMA_MAX_TOKENS_ENV, "2")
+        assert [K.select_path(m, cpu) for m in (2, 3, 5)] == ["fma", "decode", "grouped"]
     monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "0")
     assert K.select_path(4) == "decode" and K.select_path(5) == "grouped"
     with pytest.raises(ValueError, match="at most 4 tokens"):
@@ -741,38 +744,35 @@ def test_grouped_fc1_fc2_match_reference(device, m, k, i, e, topk, tiles):
     torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=1e-5)
 
 
-def test_grouped_weight_f2_choice_follows_the_scale_bytes(device):
-    """The grouped launchers drop the decoder's F2 factor only for weight scales whose bytes are all
-    <= 128 (``weight_scales_need_f2``, remembered per tensor and version): scales above 2 still
-    match the reference, an in-place write of such a byte is seen, and the check's answer is kept."""
+def test_grouped_weight_f2_switch(device):
+    """``w_f2=False`` (the caller's promise that every weight scale byte is <= 128, as
+    ``weight_scales_need_f2`` checks) gives the reference's values there; with a byte above 128 the
+    default decoder still does, and the switch visibly does not (so the switch is what it claims)."""
     from vllm_sm121.kernels import moe as K
 
     m, k, i, e, topk = 5, 64, 64, 4, 2
     _, _, _, _, _, _, topk_ids = _fc1_case(m, k, i, e, topk, seed=90)
     g = torch.Generator().manual_seed(91)
     w2 = torch.randint(0, 256, (e, k, i // 2), generator=g, dtype=torch.uint8)
-    w2_scale = torch.randint(124, 129, (e, k, i // 32), generator=g, dtype=torch.uint8)  # up to 128: no F2
+    w2_scale = torch.randint(124, 129, (e, k, i // 32), generator=g, dtype=torch.uint8)  # up to 128
     b2 = (torch.randn(e, k, generator=g) * 0.5).bfloat16()
     topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1)
     h, h_scale = mxfp8_quantize_torch(torch.randn(m * topk, i, generator=g))
     dev = lambda v: v.to(device)  # noqa: E731
-    ws = dev(w2_scale)
-    assert K.weight_scales_need_f2(ws) is False and K.weight_scales_need_f2(ws[:1]) is False
-    args = (dev(h), dev(h_scale), dev(w2))
-    tail = (dev(b2), dev(topk_ids), dev(topk_w))
-    for bump in (None, 131, 135):  # then bytes above 128, written in place (the version changes)
-        if bump is not None:
-            ws[0, 0, 0] = bump
-            w2_scale[0, 0, 0] = bump
-        assert K.weight_scales_need_f2(ws) is (bump is not None)
-        ref = K.moe_fc2_combine_torch(h, h_scale, w2, w2_scale, b2, topk_ids, topk_w)
-        out = K.moe_fc2_grouped(*args, ws, *tail).cpu().float()
-        torch.testing.assert_close(out, ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
-    with torch.inference_mode():  # no version counter: checked again on every call, never kept
-        inf_ws = torch.full((2, 3), 120, dtype=torch.uint8)
-        assert K.weight_scales_need_f2(inf_ws) is False
-        inf_ws[0, 0] = 200
-        assert K.weight_scales_need_f2(inf_ws) is True
+    run = lambda ws, f2: K.moe_fc2_grouped(dev(h), dev(h_scale), dev(w2), dev(ws), dev(b2), dev(topk_ids),  # noqa: E731
+                                           dev(topk_w), w_f2=f2).cpu().float()
+    close = lambda out, ref: torch.allclose(out, ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())  # noqa: E731
+    assert K.weight_scales_need_f2(dev(w2_scale)) is False
+    ref = K.moe_fc2_combine_torch(h, h_scale, w2, w2_scale, b2, topk_ids, topk_w)
+    assert close(run(w2_scale, False), ref) and close(run(w2_scale, True), ref)
+    high = w2_scale.clone()
+    high[topk_ids.flatten().long(), 0, 0] = 131  # a routed expert's block above 2
+    assert K.weight_scales_need_f2(dev(high)) is True
+    ref = K.moe_fc2_combine_torch(h, h_scale, w2, high, b2, topk_ids, topk_w)
+    assert close(run(high, True), ref)
+    assert not close(run(high, False), ref)
+    with torch.inference_mode():  # no sync-free shortcut, no version counter needed
+        assert K.weight_scales_need_f2(high.view(torch.int8)) is True  # read as e8m0 bytes whatever the view
 
 
 def test_grouped_block_with_env_tiles_matches_reference(device, monkeypatch):

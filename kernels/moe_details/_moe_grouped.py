@@ -16,8 +16,8 @@ of mma.sync m16n8k16 on sm_12x (no wgmma there; the PTX is checked by tests/test
 
 Operands are exact bf16 (``_mx.py``): the MXFP4 weights decoded with integer ops straight into
 bf16 pairs (``mxfp4_tile_bf16``: 4 integer ops per byte, then two power-of-two multiplies per
-pair in ``mul.rn.bf16x2``, one when every weight scale byte is <= 128: W_F2, checked once per
-weight tensor by the launchers), the MXFP8 activations likewise (``mxfp8_tile_bf16``: ``prmt`` +
+pair in ``mul.rn.bf16x2``; one with W_F2 off, the launchers' ``w_f2=False``, for weight scale
+bytes that are all <= 128), the MXFP8 activations likewise (``mxfp8_tile_bf16``: ``prmt`` +
 shift + mask per pair, two multiplies). No fp32 detour, no conversion instruction. They are the
 values the previous fp32 decode fed ``tl.dot`` (activations below 2**-133 round to bf16 the same
 way), so results match it up to the fp32 summation order. The e8m0 scales of the next K step
@@ -29,7 +29,7 @@ weight values (fp32 decode, ``FMUL``/``FFMA``/``I2FP``/``F2FP`` per value): 5.7 
 per weight value. With the table's 64-wide K steps (4 warps, 64 weight values per thread and
 step; ``python -m kernels.aot --sass-loop grouped --arch 90``): 401 instructions at BLOCK_M 16,
 415 / 421 (FC1 / FC2) at 32; without the weights' F2 multiply (W_F2 False, stop 38) 358 and 375 /
-377, about a tenth fewer (not timed yet).
+377, about a tenth fewer (not timed yet; not the launchers' default).
 
 FC1 with bf16 input (A_MXFP8 off) quantizes the activations to MXFP8 and back in registers
 (``mxfp8_roundtrip``) in every program; ``moe_block`` quantizes once, in the routing launch,

@@ -204,11 +204,12 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         before = self._g.clone()
         calibrate_global_scales(key, value, self._g, None, reduce_amax=_tp_amax(), rows=real)
         # (one more sync, once per layer; the log says the option took effect and whether it changed anything)
-        logger.info("SM121 nvfp4 KV, %s: global scales (K, V) %s from the first %d real tokens "
-                    "($VLLM_SM121_KV_SCALE_REAL; warm-up gave %s)", name,
-                    self._g.tolist(), int(real.sum()), before.tolist())
+        now, was, n_real = self._g.tolist(), before.tolist(), int(real.sum())
+        (logger.info if now != was else logger.debug)(
+            "SM121 nvfp4 KV, %s: global scales (K, V) %s from the first %d real tokens ($VLLM_SM121_KV_SCALE_REAL; "
+            "warm-up gave %s)", name, now, n_real, was)
         if len(self._calib_log) < 8:
-            self._calib_log.append((int(real.sum()), 0, -2))  # (-2: the real-token calibration)
+            self._calib_log.append((n_real, 0, -2))  # (-2: the real-token calibration)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if self.kv_sharing_target_layer_name is not None:
