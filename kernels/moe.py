@@ -21,7 +21,8 @@ Architecture
     group per thread), decodes them with 3 integer ops per value, FMAs them with each routed
     token's e4m3 activations (decoded the same way) and reduces with ``tl.sum``; a slot whose
     expert an earlier slot has exits. Tiles per family in FMA_TILES, overridable at call time
-    with $VLLM_SM121_MOE_FMA_TILES; ``select_path`` picks the path from M.
+    with $VLLM_SM121_MOE_FMA_TILES; ``select_path`` picks the path from M and the device (on sm_90
+    also M <= 16 as chunks of 4 tokens after one routing launch: FMA_CHUNK_MAX_TOKENS).
 
     Decode (bandwidth-bound grouped GEMVs, 4 launches): ``moe_route`` also quantizes bf16 x to
     MXFP8; FC1 and FC2 run one program per (routed slot, row tile, block of 16 tokens) -- a slot
