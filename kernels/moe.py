@@ -921,8 +921,9 @@ def weight_scales_need_f2(w_scale: torch.Tensor) -> bool:
     """Whether some e8m0 byte of ``w_scale`` exceeds 128 (a block scale above 2): only then do the
     grouped GEMMs' weight decoders need their second power-of-two factor (``mxfp4_tile_bf16``'s
     F2; checkpoints' expert scales stay far below, dummy weights are 0). One host sync: for a
-    caller that knows when the weights are final (``w_f2`` of the grouped launchers). Not decided per call: vLLM reloads weights in place (through ``.data``,
-    which no version counter of the parameter sees) into tensors that captured graphs keep."""
+    caller that knows when the weights are final (``w_f2`` of the grouped launchers). Not decided
+    per call: vLLM reloads weights in place (through ``.data``, which no version counter of the
+    parameter sees) into tensors that captured graphs keep."""
     return bool((w_scale.view(torch.uint8).max() > 128).item()) if w_scale.numel() else False
 
 
