@@ -31,8 +31,8 @@ and ``layer(x, router_logits)`` runs under ``set_forward_context``, i.e. MoERunn
 ``vllm::moe_forward`` -> the method; every provider gets the same random MXFP4 codes/scales/biases)
     sm121           our ``Sm121Mxfp4MoEMethod`` (``sm121_mxfp4`` config resolved to "mxfp8");
                     sm121_fma / sm121_decode / sm121_grouped: its three paths forced (kernel
-                    launcher ``moe_block(path=...)`` only; fma: CUDA-core GEMVs, in chunks of 4
-                    tokens above 4 (one routing launch);
+                    launcher ``moe_block(path=...)`` only; fma: CUDA-core GEMVs, above 4 tokens
+                    windowed (4 of an expert's tokens per program; one routing launch);
                     decode: tl.dot_scaled GEMVs; grouped: GEMMs over expert-sorted pairs).
                     sm121_fmaq: the fma path handed MXFP8 activations, as the fused norm hands
                     them in the model (quantized once outside the timing; routing only, or

@@ -22,7 +22,7 @@ Architecture
     token's e4m3 activations (decoded the same way) and reduces with ``tl.sum``; a slot whose
     expert an earlier slot has exits. Tiles per family in FMA_TILES, overridable at call time
     with $VLLM_SM121_MOE_FMA_TILES; ``select_path`` picks the path from M and the device (on sm_90
-    also M <= 16 as chunks of 4 tokens after one routing launch: FMA_CHUNK_MAX_TOKENS).
+    also M <= 16, each program serving up to 4 of its expert's tokens: FMA_WINDOW_MAX_TOKENS).
 
     Decode (bandwidth-bound grouped GEMVs, 4 launches): ``moe_route`` also quantizes bf16 x to
     MXFP8; FC1 and FC2 run one program per (routed slot, row tile, block of 16 tokens) -- a slot
@@ -171,8 +171,12 @@ def moe_fc1_swiglu(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Ten
 
 # ---- decode for very few tokens: CUDA-core (FMA) grouped GEMVs ------------------------------------
 
-# Most tokens the FMA kernels take (their accumulators are unrolled per token).
+# Most tokens an FMA program holds (its accumulators are unrolled per token).
 FMA_KERNEL_MAX_TOKENS = 4
+# Most tokens one FMA launch takes: above FMA_KERNEL_MAX_TOKENS each program serves a window of
+# that many of its expert's users (``_mx.routed_tokens``), so an expert routed to by several tokens
+# is streamed once per 4 of them, not once per chunk of tokens it appears in.
+FMA_LAUNCH_MAX_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,8 +445,14 @@ def moe_pdl(t: torch.Tensor) -> dict:
 
 
 def _check_fma_tokens(m: int) -> None:
-    if m > FMA_KERNEL_MAX_TOKENS:
-        raise ValueError(f"the FMA decode kernels take at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
+    if m > FMA_LAUNCH_MAX_TOKENS:
+        raise ValueError(f"the FMA decode kernels take at most {FMA_LAUNCH_MAX_TOKENS} tokens per launch, got {m}")
+
+
+def _fma_token_args(m: int) -> dict:
+    """NT (accumulators per program), BLOCK_T and WINDOW of an FMA launch of ``m`` tokens."""
+    nt = min(m, FMA_KERNEL_MAX_TOKENS)
+    return dict(NT=nt, BLOCK_T=triton.next_power_of_2(max(m, 1)), WINDOW=nt if m > nt else 0)
 
 
 def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -450,10 +460,11 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
                        tiles: FmaTiles | None = None,
                        route: tuple | None = None, l2_w2: tuple | None = None,
                        l2_late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_fc1_swiglu`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and numbers).
+    """``moe_fc1_swiglu`` for M <= FMA_LAUNCH_MAX_TOKENS tokens on CUDA cores (same contract and numbers).
 
     Grid (routed slot, fc1_rows-row tile): each routed expert's rows are streamed once, as
-    16-byte words, for all the tokens routed to it (``_moe_fma.py``).
+    16-byte words, for the tokens routed to it (once per FMA_KERNEL_MAX_TOKENS of them; ``_moe_fma.py``).
+    ``route`` and ``l2_w2`` take M <= FMA_KERNEL_MAX_TOKENS only.
 
     ``route`` = (router_logits [M, E_global], expert_map or None, topk_weights out fp32 [M, topk]):
     the kernel routes the tokens itself (exactly ``moe_route``'s ids and weights) and writes them
@@ -469,13 +480,16 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
         a, a_scale = mxfp8_quantize(a)
     out = torch.empty(m * topk, i, dtype=torch.uint8, device=a.device)
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
+    tok = _fma_token_args(m)
+    if tok["WINDOW"] and (route is not None or l2_w2 is not None):
+        raise ValueError(f"fused routing and L2 prefetches take at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
     tiles = tiles or fma_tiles(a, m)
     rows = tiles.fc1_rows
     block_g = min(tiles.fc1_kb // 16, triton.next_power_of_2(k // 32))
     split, gps = fc2_split_k(k, block_g, tiles.fc1_split)  # (the same whole-step cut of K as FC2's)
     n_tiles = -(-2 * i // rows)
     if split > 1:
-        ws = torch.empty(m * topk * n_tiles * split * m * rows, dtype=torch.float32, device=a.device)
+        ws = torch.empty(m * topk * n_tiles * split * tok["NT"] * rows, dtype=torch.float32, device=a.device)
         cnt = split_counters(a.device, m * topk * n_tiles)
     else:
         ws = cnt = out  # unused
@@ -509,7 +523,7 @@ def moe_fc1_swiglu_fma(a: torch.Tensor, a_scale: torch.Tensor | None, w13: torch
             out_scale, ws, cnt, _weight_desc(w_words, rows, block_g) if tma else None, *route_args, m, pf_w, pf_bytes,
             pf_s, pfs_bytes, E=e, K=k, I=i,
             TOPK=topk,
-            TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m), BLOCK_R=rows,
+            TOPK_PAD=triton.next_power_of_2(topk), **tok, BLOCK_R=rows,
             BLOCK_G=block_g, PREFETCH=tiles.num_stages > 1, F16X2=fma_f16x2(a), ALPHA=SWIGLU_ALPHA,
             LIMIT=SWIGLU_LIMIT, HW_FP8=_gpu_flags(a)["HW_FP8"], SPLIT=split, GPS=gps, TMA=tma,
             SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(a), SCALE_LDG=scale_ldg(a), **route_kw, **pf_kw,
@@ -586,7 +600,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
                         tiles: FmaTiles | None = None, l2_next: torch.Tensor | None = None,
                         l2_late: bool = False, next_norm: NextNorm | None = None,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``moe_fc2_combine`` for M <= FMA_KERNEL_MAX_TOKENS tokens on CUDA cores (same contract and
+    """``moe_fc2_combine`` for M <= FMA_LAUNCH_MAX_TOKENS tokens on CUDA cores (same contract and
     numbers): the FMA GEMV writes the fp32 partials per (token, slot), ``_moe_combine_kernel`` sums them.
     ``l2_next``: a contiguous tensor (the next layer's qkv weight) its programs prefetch into L2, first
     thing or (``l2_late``) after their own weight stream (``l2_prefetch``; GPU only, results unchanged).
@@ -597,6 +611,9 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     if out_dtype != torch.bfloat16 and next_norm is not None:
         raise ValueError("next_norm needs the bf16 output (out_dtype=torch.bfloat16)")
     _check_fma_tokens(m)
+    tok = _fma_token_args(m)
+    if tok["WINDOW"] and (l2_next is not None or next_norm is not None):
+        raise ValueError(f"L2 prefetches and next_norm take at most {FMA_KERNEL_MAX_TOKENS} tokens, got {m}")
     tiles = tiles or fma_tiles(h, m)
     rows = tiles.fc2_rows
     warps, stages = tiles.fc2_launch()
@@ -610,7 +627,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
     pdl_top = dict(PDL_TOP=True, launch_pdl=True) if not pdl and V.pdl_launch(h) else {}
     tma = _tma_stages(h, stages)
     n_tiles = -(-hidden // rows)
-    combine = fused_combine(m)
+    combine = fused_combine(m) and not tok["WINDOW"]  # (its last program sums NT tokens)
     cnt = split_counters(h.device, n_tiles, "fc2") if combine and m else part
     pf, pf_bytes, pf_kw = l2_prefetch.launch_args(l2_next, h)
     if pf_kw["PF"]:
@@ -629,7 +646,7 @@ def moe_fc2_combine_fma(h: torch.Tensor, h_scale: torch.Tensor, w2: torch.Tensor
             h.view(torch.uint8).view(torch.int32), h_scale, w_words, w2_scale, bias, topk_ids,
             topk_weights, part, _weight_desc(w_words, rows, block_g) if tma else None, out, cnt, m, pf, pf_bytes,
             E=e, H=hidden,
-            I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), NT=m, BLOCK_T=triton.next_power_of_2(m),
+            I=i, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), **tok,
             BLOCK_R=rows, BLOCK_G=block_g, SPLIT=split, GPS=gps, PREFETCH=stages > 1, F16X2=fma_f16x2(h), TMA=tma,
             SCALES_AHEAD=scales_ahead(), ACT_LDG=act_ldg(h), SCALE_LDG=scale_ldg(h),
             COMBINE=combine, num_warps=warps, num_stages=1, **pdl, **pdl_top, **fma_maxnreg(h), **pf_kw,
@@ -1004,22 +1021,23 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
 # variable VLLM_SM121_MOE_FMA_MAX_TOKENS, read at call time, overrides it (A/B runs).
 FMA_MAX_TOKENS = 4
 FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
-# Chunked FMA: M up to the family's FMA_CHUNK_MAX_TOKENS runs the FMA GEMVs on consecutive chunks
-# of FMA_KERNEL_MAX_TOKENS tokens after one routing launch (each token's output depends on its own
-# slots only). Each chunk streams its own routed experts, so an expert routed in two chunks is read
-# twice: with uniform top-4-of-128 routing ~6% more weight bytes than the grouped GEMMs at M = 8 and
-# ~20% at M = 16. Performance hyper-parameters, per architecture family:
+# Windowed FMA: M up to the family's FMA_WINDOW_MAX_TOKENS (<= FMA_LAUNCH_MAX_TOKENS) runs the FMA
+# GEMVs in one launch each after one routing launch, every program serving up to
+# FMA_KERNEL_MAX_TOKENS of its expert's tokens (each token's output depends on its own slots
+# only). An expert is streamed once per 4 of its tokens: with uniform top-4-of-128 routing an
+# expert rarely has more than 4 tokens up to M = 16, so the weight bytes are the grouped GEMMs'.
+# (Stop 38 ran chunks of 4 tokens, one launch pair each, which read an expert routed in two chunks
+# twice: ~6% more bytes at M = 8, ~20% at M = 16.) Performance hyper-parameters, per family:
 # * sm_90: the grouped GEMMs are instruction-bound there (25-35% of the copy bandwidth), the FMA
 #   GEMVs less so. H200, same run (318e2f3, docs/moe-chunk-h200-318e2f3.json, gpt-oss-120b
-#   layer): M = 5 / 8 / 16 / 32 took 147.6 / 221.8 / 439.9 / 855.2 us chunked vs 236.9 / 315.9 /
-#   464.8 / 723.6 us grouped, hence 16.
+#   layer), the chunks of stop 38: M = 5 / 8 / 16 / 32 took 147.6 / 221.8 / 439.9 / 855.2 us vs
+#   236.9 / 315.9 / 464.8 / 723.6 us grouped, hence 16.
 # * sm_12x: 0 (the grouped GEMMs from M = 5). Not timed (no GB10); an estimate: GB10 has ~0.44x an
 #   H200's instruction rate but 273 GB/s, so both paths would be bound by the bytes they read
-#   there (M = 8 grouped: ~0.7 ms of instructions vs ~1.7 ms of DRAM time at 85% of 273 GB/s),
-#   and the grouped GEMMs read fewer.
-# $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS (read at call time) overrides it (A/B runs; 0: off).
-FMA_CHUNK_MAX_TOKENS: dict[str, int] = {_platform.SM90: 16, _platform.SM12X: 0, _platform.INTERPRETER: 0}
-FMA_CHUNK_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS"
+#   there (M = 8 grouped: ~0.7 ms of instructions vs ~1.7 ms of DRAM time at 85% of 273 GB/s).
+# $VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS (read at call time) overrides it (A/B runs; 0: off).
+FMA_WINDOW_MAX_TOKENS: dict[str, int] = {_platform.SM90: 16, _platform.SM12X: 0, _platform.INTERPRETER: 0}
+FMA_WINDOW_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS"
 # H100 at 8e7d4de (docs/moe-grouped-sweep-h100-8e7d4de.json): the swap-AB grouped GEMMs take
 # M = 8 in 375 us against 675 us for the dot_scaled decode GEMVs, which keep M <= 4 only (122 us
 # at M = 1 vs 155 us grouped) for when the FMA path is switched off.
@@ -1039,19 +1057,20 @@ class L2Plan:
     w2_late: bool = False
 
 
-def fma_chunk_max_tokens(t: torch.Tensor | None = None) -> int:
-    """The largest M the FMA path takes in chunks on ``t``'s device: $VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS
-    if set (read now), else FMA_CHUNK_MAX_TOKENS of its family (0, off, without a tensor)."""
-    default = 0 if t is None else FMA_CHUNK_MAX_TOKENS.get(_platform.family_of(t), 0)
-    return V.env_int(FMA_CHUNK_MAX_TOKENS_ENV, default)
+def fma_window_max_tokens(t: torch.Tensor | None = None) -> int:
+    """The largest M the windowed FMA path takes on ``t``'s device: $VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS
+    if set (read now), else FMA_WINDOW_MAX_TOKENS of its family (0, off, without a tensor); at
+    most FMA_LAUNCH_MAX_TOKENS."""
+    default = 0 if t is None else FMA_WINDOW_MAX_TOKENS.get(_platform.family_of(t), 0)
+    return min(V.env_int(FMA_WINDOW_MAX_TOKENS_ENV, default), FMA_LAUNCH_MAX_TOKENS)
 
 
 def select_path(m: int, t: torch.Tensor | None = None) -> str:
     """The path ``moe_block(path="auto")`` takes for M tokens on ``t``'s device (from M and the
     device alone: graph-capturable)."""
     fma_max = min(V.env_int(FMA_MAX_TOKENS_ENV, FMA_MAX_TOKENS), FMA_KERNEL_MAX_TOKENS)
-    chunk_max = fma_chunk_max_tokens(t)
-    if m <= fma_max or (fma_max >= FMA_KERNEL_MAX_TOKENS and m <= chunk_max):  # (chunks: whole FMA launches)
+    window_max = fma_window_max_tokens(t)
+    if m <= fma_max or (fma_max >= FMA_KERNEL_MAX_TOKENS and m <= window_max):  # (windows only above a whole one)
         return "fma"
     return "decode" if m <= DECODE_MAX_TOKENS else "grouped"
 
@@ -1066,8 +1085,8 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     x: bf16 [M, H] (quantized to MXFP8 inside FC1) or e4m3 [M, H] with x_scale [M, H/32] e8m0
     (from the fused norm). router_logits: [M, E]. The path is chosen from M alone
     (``select_path``), so a captured CUDA graph always replays the same kernels; ``path`` forces
-    one ("fma" above FMA_KERNEL_MAX_TOKENS tokens: the FMA GEMVs per chunk of that many tokens,
-    after one routing launch for all of them).
+    one ("fma" above FMA_KERNEL_MAX_TOKENS tokens: windowed FMA GEMVs, one launch each per
+    FMA_LAUNCH_MAX_TOKENS tokens, after one routing launch for all of them).
 
     Parallel ranks: under tensor parallelism the weights are this rank's intermediate shard (w2
     bias on one rank only, as vLLM loads it); under expert parallelism they are the rank's experts
@@ -1077,7 +1096,7 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     all-reduce and one rounding to bf16 after it give one rank's result up to fp32 summation order
     (``vllm_sm121/moe/hook.py``, exact TP reductions).
 
-    ``l2``: L2 prefetches of the one-chunk FMA path (``L2Plan``; ignored by the other paths).
+    ``l2``: L2 prefetches of the FMA path up to FMA_KERNEL_MAX_TOKENS (``L2Plan``; ignored otherwise).
 
     ``next_norm`` (at most NEXT_NORM_MAX_T tokens): also writes the next layer's carried input norm
     of ``out + next_norm.residual`` (``kernels/next_norm.py``): in FC2's combine on the FMA path,
@@ -1115,14 +1134,14 @@ def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias
     if path in ("fma", "decode"):
         if path == "fma":
             outs = []
-            pf = l2 if l2 is not None and m <= FMA_KERNEL_MAX_TOKENS else L2Plan()  # one chunk only
-            for c in range(0, max(m, 1), FMA_KERNEL_MAX_TOKENS):  # one chunk for M <= FMA_KERNEL_MAX_TOKENS
-                sl = slice(c, c + FMA_KERNEL_MAX_TOKENS)
+            pf = l2 if l2 is not None and m <= FMA_KERNEL_MAX_TOKENS else L2Plan()  # not windowed
+            for c in range(0, max(m, 1), FMA_LAUNCH_MAX_TOKENS):  # one launch pair for M <= FMA_LAUNCH_MAX_TOKENS
+                sl = slice(c, c + FMA_LAUNCH_MAX_TOKENS)
                 tiles = fma_tiles(x, x[sl].shape[0])
                 h, h_scale = moe_fc1_swiglu_fma(x[sl], x_scale[sl], w13, w13_scale, w13_bias, topk_ids[sl], tiles,
                                                 route=(router_logits, expert_map, topk_w) if fuse else None,
                                                 l2_w2=(w2, w2_scale) if pf.w2 else None, l2_late=pf.w2_late)
-                nn = next_norm if m <= FMA_KERNEL_MAX_TOKENS else None  # (one chunk)
+                nn = next_norm if m <= FMA_KERNEL_MAX_TOKENS else None  # (not windowed)
                 outs.append(moe_fc2_combine_fma(h, h_scale, w2, w2_scale, w2_bias, topk_ids[sl], topk_w[sl], tiles,
                                                 l2_next=pf.next_weight, l2_late=pf.next_late, next_norm=nn,
                                                 out_dtype=out_dtype))

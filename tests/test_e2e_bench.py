@@ -249,10 +249,10 @@ def test_configs_table():
                  "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg", "sm121-all-moe-optins",
                  "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes", "sm121-all-moe-normqkv",
                  "sm121-all-moe-normf16", "sm121-all-moe-nonorm", "sm121-all-moe-f16word",
-                 "sm121-all-moe-bf16reduce", "sm121-all-moe-nochunk")
-    # stop 38: the chunked FMA MoE's A/B (grouped GEMMs from M = 5 again)
-    assert dict(by["sm121-all-moe-nochunk"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
-                                                     "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS": "0"}
+                 "sm121-all-moe-bf16reduce", "sm121-all-moe-nowindow")
+    # stop 39: the windowed FMA MoE's A/B (grouped GEMMs from M = 5 again)
+    assert dict(by["sm121-all-moe-nowindow"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
+                                                      "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS": "0"}
     # stop 35: the TP fp32 reduces' A/B
     assert dict(by["sm121-all-moe-bf16reduce"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
                                                         "VLLM_SM121_TP_FP32_REDUCE": "0"}

@@ -306,36 +306,39 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     assert K.select_path(1) == "decode"
     monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "99")  # capped at what the kernels take
     assert K.select_path(K.FMA_KERNEL_MAX_TOKENS + 1) == "grouped"
-    # chunked FMA: per family (sm_90 up to 16 tokens, timed; sm_12x and the interpreter off), on for M up
-    # to its limit while the FMA path is on; the environment overrides every family
+    # windowed FMA: per family (sm_90 up to 16 tokens, timed; sm_12x and the interpreter off), on for M up
+    # to its limit while the FMA path is on; the environment overrides every family, up to one launch's tokens
     monkeypatch.delenv(K.FMA_MAX_TOKENS_ENV)
-    monkeypatch.delenv(K.FMA_CHUNK_MAX_TOKENS_ENV, raising=False)
-    assert K.FMA_CHUNK_MAX_TOKENS == {P.SM90: 16, P.SM12X: 0, P.INTERPRETER: 0}
-    assert K.fma_chunk_max_tokens() == 0 and K.fma_chunk_max_tokens(cpu) == 0
+    monkeypatch.delenv(K.FMA_WINDOW_MAX_TOKENS_ENV, raising=False)
+    assert K.FMA_WINDOW_MAX_TOKENS == {P.SM90: 16, P.SM12X: 0, P.INTERPRETER: 0}
+    assert K.fma_window_max_tokens() == 0 and K.fma_window_max_tokens(cpu) == 0
     assert [K.select_path(m, cpu) for m in (4, 5)] == ["fma", "grouped"]
     with monkeypatch.context() as mp:  # a tensor on an sm_90 / sm_12x device, as the platform sees it
         for family, want in ((P.SM90, ["fma", "fma", "fma", "grouped"]), (P.SM12X, ["fma", "grouped", "grouped", "grouped"])):
             mp.setattr(P, "family_of", lambda t, f=family: f)
             assert [K.select_path(m, cpu) for m in (4, 5, 16, 17)] == want, family
-    monkeypatch.setenv(K.FMA_CHUNK_MAX_TOKENS_ENV, "16")
+    with monkeypatch.context() as mp:
+        mp.setenv(K.FMA_WINDOW_MAX_TOKENS_ENV, "1000")
+        assert K.fma_window_max_tokens(cpu) == K.FMA_LAUNCH_MAX_TOKENS == 64
+    monkeypatch.setenv(K.FMA_WINDOW_MAX_TOKENS_ENV, "16")
     assert [K.select_path(m) for m in (4, 5, 16, 17)] == ["fma", "fma", "fma", "grouped"]
     assert [K.select_path(m, cpu) for m in (4, 5, 16, 17)] == ["fma", "fma", "fma", "grouped"]
-    with monkeypatch.context() as mp:  # an FMA limit under a whole chunk also turns the chunks off
+    with monkeypatch.context() as mp:  # an FMA limit under a whole window also turns the windows off
         mp.setenv(K.FMA_MAX_TOKENS_ENV, "2")
         assert [K.select_path(m, cpu) for m in (2, 3, 5)] == ["fma", "decode", "grouped"]
     monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "0")
     assert K.select_path(4) == "decode" and K.select_path(5) == "grouped"
-    with pytest.raises(ValueError, match="at most 4 tokens"):
-        K.moe_fc1_swiglu_fma(torch.zeros(5, 64).bfloat16(), None, torch.zeros(2, 64, 32, dtype=torch.uint8),
+    with pytest.raises(ValueError, match="at most 64 tokens per launch"):
+        K.moe_fc1_swiglu_fma(torch.zeros(65, 64).bfloat16(), None, torch.zeros(2, 64, 32, dtype=torch.uint8),
                              torch.zeros(2, 64, 2, dtype=torch.uint8), torch.zeros(2, 64).bfloat16(),
-                             torch.zeros(5, 2, dtype=torch.int32))
+                             torch.zeros(65, 2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("m", [4, 9])
 def test_fma_block_path_matches_reference(device, m):
     """moe_block(path="fma") end to end (routing + MXFP8 quantization of bf16 x, FC1, FC2, combine)
-    and with MXFP8 input, against the fp32 reference, at M = 4 (the largest FMA batch) and M = 9
-    (chunks of 4, 4 and 1 tokens after one routing launch)."""
+    and with MXFP8 input, against the fp32 reference, at M = 4 (one program's tokens) and M = 9
+    (one windowed launch pair after one routing launch)."""
     from vllm_sm121.kernels import moe as K
 
     hidden, i, e, topk = 64, 64, 8, 2
@@ -354,9 +357,48 @@ def test_fma_block_path_matches_reference(device, m):
     q, s = mxfp8_quantize_torch(x.float())
     out_q = K.moe_block(dev(q), dev(logits), *map(dev, args), topk, x_scale=dev(s), path="fma").cpu()
     assert torch.equal(out_q, out)
-    if m > K.FMA_KERNEL_MAX_TOKENS:  # a chunk's tokens get exactly what they get alone
+    if m > K.FMA_KERNEL_MAX_TOKENS:  # tokens get exactly what they get in a launch of 4
         first = K.moe_block(dev(x[:4]), dev(logits[:4]), *map(dev, args), topk, path="fma").cpu()
         assert torch.equal(out[:4], first)
+
+
+@pytest.mark.parametrize("users", [5, 9])
+def test_fma_windows_cover_every_user(device, users):
+    """An expert routed to by more tokens than a program holds (5: windows of 4 + 1; 9: 4 + 4 + 1),
+    next to tokens routed elsewhere, a token whose two slots share one expert and a padded id:
+    FC1's MXFP8 rows and FC2's combined output equal each token run alone (every window's program
+    serves its tokens, no token twice, none left out)."""
+    from vllm_sm121.kernels import moe as K
+
+    hidden, i, e, topk = 64, 64, 8, 2
+    m = users + 3
+    g = torch.Generator().manual_seed(41 + users)
+    w13, w13_s, b13, w2, w2_s, b2 = random_moe_weights(e, hidden, i, g)
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    q, s = mxfp8_quantize_torch(x.float())
+    ids = torch.randint(0, e, (m, topk), generator=g, dtype=torch.int32)
+    ids[:users, 0] = 3  # expert 3's users: tokens 0 .. users-1 (slot 0), and token users+1 (slot 1)
+    ids[:users, 1] = torch.where(ids[:users, 1] == 3, 4, ids[:users, 1])
+    ids[users + 1, 1] = 3
+    ids[users] = 5  # both slots of one token on expert 5
+    ids[users + 2, 1] = e + 7  # out of range: clamped as every path does
+    wts = torch.rand(m, topk, generator=g)
+    dev = lambda t: t.to(device)  # noqa: E731
+    h, hs = K.moe_fc1_swiglu_fma(dev(q), dev(s), dev(w13), dev(w13_s), dev(b13), dev(ids))
+    out = K.moe_fc2_combine_fma(h, hs, dev(w2), dev(w2_s), dev(b2), dev(ids), dev(wts)).cpu()
+    h, hs = h.cpu().view(m, topk, -1), hs.cpu().view(m, topk, -1)
+    for t in range(m):
+        sl = slice(t, t + 1)
+        h1, hs1 = K.moe_fc1_swiglu_fma(dev(q[sl]), dev(s[sl]), dev(w13), dev(w13_s), dev(b13), dev(ids[sl]))
+        # a token's slot that repeats an expert is computed by its first slot only (the FC2 partial is 0)
+        first = [j for j in range(topk) if int(ids[t, j].clamp(0, e - 1)) not in
+                 [int(v) for v in ids[t, :j].clamp(0, e - 1)]]
+        for j in first:
+            assert torch.equal(h[t, j].view(torch.uint8), h1.cpu()[j].view(torch.uint8)), (t, j)
+            assert torch.equal(hs[t, j], hs1.cpu()[j]), (t, j)
+        o1 = K.moe_fc2_combine_fma(h1, hs1, dev(w2), dev(w2_s), dev(b2), dev(ids[sl]), dev(wts[sl])).cpu()
+        assert torch.equal(out[t], o1[0]), t
+    assert out[:users].abs().max() > 0
 
 
 # ---- GPU: the FMA path at gpt-oss shapes ----------------------------------------------------------

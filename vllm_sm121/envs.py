@@ -49,7 +49,7 @@ DECLARED: dict[str, tuple[str, str]] = {
     "VLLM_SM121_GRAPH_PATCH_PAGES": ("vllm_sm121/graph/steady.py", "new KV pages from pinned memory"),
     "VLLM_SM121_GRAPH_SAMPLE": ("vllm_sm121/graph/tail.py", "sampling inside the graph (1, 2; opt-in)"),
     "VLLM_SM121_MOE_ACT_LDG": ("kernels/moe.py", "MoE activation loads through the non-coherent path"),
-    "VLLM_SM121_MOE_FMA_CHUNK_MAX_TOKENS": ("kernels/moe.py", "largest M of the chunked FMA MoE path (per family by default; 0: off)"),
+    "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS": ("kernels/moe.py", "largest M of the windowed FMA MoE path (per family by default; 0: off)"),
     "VLLM_SM121_MOE_FMA_F16X2": ("kernels/moe.py", "MoE GEMV products in fp16 (0 exact, 1 word, 2 group)"),
     "VLLM_SM121_MOE_FMA_MAXNREG": ("kernels/moe.py", "ptxas register cap for the MoE GEMVs"),
     "VLLM_SM121_MOE_FMA_MAX_TOKENS": ("kernels/moe.py", "largest M on the MoE FMA path"),

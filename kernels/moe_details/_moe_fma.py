@@ -23,10 +23,13 @@ whose cost is streaming the MXFP4 weights; padding the tokens to an MMA N of 16 
   exact (2- and 4-bit significands), summed in fp32 per 32-value group, and each group sum is
   multiplied by 2**(e8m0_w + e8m0_a - 254 + 119) (one exact power of two) into an fp32
   [BLOCK_R, BLOCK_G] accumulator per token, reduced with ``tl.sum`` at the end.
-* Tokens (NT <= 4 of them, constexpr): the tokens routed to the program's expert are listed
+* Tokens (NT <= 4 accumulators, constexpr): the tokens routed to the program's expert are listed
   first (``_user``), one accumulator each; user 0 always exists, users 1..3 are updated under a
   uniform branch only where they exist, so the weight tile is loaded and decoded once per step
   whatever the number of tokens, and the usual case (one token per expert) does one FMA per value.
+  With more tokens than accumulators (WINDOW, up to ``FMA_LAUNCH_MAX_TOKENS`` in one launch) a
+  program serves a window of NT of its expert's users and the expert's next NT users have their
+  own program (``routed_tokens``): weights are streamed once per NT users of an expert.
 
 FC1's epilogue adds the bias, applies gpt-oss SwiGLU to the interleaved gate/up rows and
 writes MXFP8 (BLOCK_R = 64 rows -> 32 outputs = one MXFP8 block per program). With SPLIT > 1
@@ -413,7 +416,7 @@ def _moe_fc1_swiglu_fma_kernel(
     topk_w_ptr,  # ROUTE: [M, TOPK] fp32 out (written by program (0, 0, 0), for FC2)
     expert_map_ptr,  # ROUTE and HAS_MAP: [E_ROUTE] int32 global -> local expert id or -1
     stride_l,  # ROUTE: the logits' row stride
-    M,  # tokens (<= NT)
+    M,  # tokens (<= NT, or any with WINDOW)
     pf_ptr,  # PF: uint8 [E, pf_bytes]: per-expert bytes (FC2's weights) to prefetch into L2 for the next launch
     pf_bytes,
     pfs_ptr,  # PF: uint8 [E, pfs_bytes]: a second such array (FC2's weight scales)
@@ -423,8 +426,8 @@ def _moe_fc1_swiglu_fma_kernel(
     I: tl.constexpr,  # multiple of BLOCK_R / 2
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
-    NT: tl.constexpr,  # token accumulators (1..4, >= M)
-    BLOCK_T: tl.constexpr,  # power of two >= NT
+    NT: tl.constexpr,  # token accumulators (1..4): >= M, or WINDOW
+    BLOCK_T: tl.constexpr,  # power of two >= M
     BLOCK_R: tl.constexpr,  # weight rows per program: a power of two >= 64 (whole MXFP8 output blocks)
     BLOCK_G: tl.constexpr,  # 32-value groups (16 bytes of a row) per K step, power of two
     PREFETCH: tl.constexpr,  # load the next K step's weights before this step's math
@@ -447,6 +450,7 @@ def _moe_fc1_swiglu_fma_kernel(
     PF_LATE: tl.constexpr = False,  # ... after this program's own weight stream instead of before it
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
+    WINDOW: tl.constexpr = 0,  # M > NT: each program serves a window of <= NT of its expert's users (routed_tokens)
 ):
     if PDL:  # the routing and the activations come from the previous launch: nothing to do before
         pdl_wait_then_release()
@@ -466,7 +470,7 @@ def _moe_fc1_swiglu_fma_kernel(
         expert, first, uses, slot, _hit = routed_tokens_of(rids, tl.sum(tl.where(mine, rids, 0)), p, 0, M, E, TOPK,
                                                            TOPK_PAD, BLOCK_T)
     else:
-        expert, first, uses, slot, _hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
+        expert, first, uses, slot, _hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T, WINDOW)
     if not first:
         return
     if PF and not PF_LATE:
@@ -634,6 +638,7 @@ def _moe_fc2_fma_kernel(
     nn_u_ptr=None,  # [>= M, H] bf16 out: bf16(s * w)
     nn_ps_ptr=None,  # [>= M, H / 16] fp32 out: sums of s**2 per 16 columns
     NEXT_NORM: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,  # as FC1's (not with COMBINE, whose last program sums NT tokens)
 ):
     if PDL_TOP:
         pdl_wait_then_release()
@@ -642,7 +647,7 @@ def _moe_fc2_fma_kernel(
         prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)
     if p >= M * TOPK:  # (a program that exits releases the next launch as a wait would)
         return
-    expert, first, uses, slot, hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T)
+    expert, first, uses, slot, hit = routed_tokens(topk_ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T, WINDOW)
     if not first:
         if PF and PF_LATE:
             prefetch_l2_grid(pf_ptr, pf_bytes, PF_LANES, PF_LINE)

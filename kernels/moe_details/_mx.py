@@ -175,7 +175,7 @@ def mx_dot_wa(wq, ws, aq, a_s, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, C
 
 @triton.jit
 def routed_tokens(topk_ids_ptr, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
+                  BLOCK_M: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Which tokens of the block t0 .. t0+BLOCK_M the program of routed slot ``p`` serves.
 
     The program of slot p (= token * TOPK + j) owns expert ``topk_ids[p]`` for the whole token
@@ -184,18 +184,25 @@ def routed_tokens(topk_ids_ptr, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, T
     Ids are clamped to [0, E) (padded or garbage rows never index out of bounds).
     Returns (expert int64, first, uses [BLOCK_M] bool, slot [BLOCK_M]: the token's first slot
     routed there, hit [BLOCK_M, TOPK_PAD] bool: every slot routed there).
+
+    WINDOW > 0 (a program holds at most WINDOW tokens' accumulators, fewer than the block's): the
+    expert's users (tokens routed there, in token order) are served in windows of WINDOW. The
+    program of slot p leads the window that starts at its token's rank among the users when that
+    rank is a multiple of WINDOW and p is its token's first slot there; ``uses`` then marks that
+    window's tokens only, and ``first`` is whether p leads one. So an expert's weights are streamed
+    once per WINDOW users (once, for the usual 1-4), never per chunk of tokens.
     """
     offs_t = tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, TOPK_PAD)
     tok = t0 + offs_t
     slot_ok = (tok[:, None] < M) & (offs_j[None, :] < TOPK)
     ids = tl.load(topk_ids_ptr + tok[:, None] * TOPK + offs_j[None, :], mask=slot_ok, other=0)
-    return routed_tokens_of(ids, tl.load(topk_ids_ptr + p), p, t0, M, E, TOPK, TOPK_PAD, BLOCK_M)
+    return routed_tokens_of(ids, tl.load(topk_ids_ptr + p), p, t0, M, E, TOPK, TOPK_PAD, BLOCK_M, WINDOW)
 
 
 @triton.jit
 def routed_tokens_of(ids, expert, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
+                     BLOCK_M: tl.constexpr, WINDOW: tl.constexpr = 0):
     """``routed_tokens`` on ids already in registers: ``ids`` [BLOCK_M, TOPK_PAD] of the block's
     tokens (slots >= TOPK and tokens >= M ignored), ``expert`` = slot p's id."""
     offs_t = tl.arange(0, BLOCK_M)
@@ -206,9 +213,18 @@ def routed_tokens_of(ids, expert, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr,
     expert = tl.minimum(tl.maximum(expert, 0), E - 1)
     hit = slot_ok & (ids == expert)
     local = offs_t[:, None] * TOPK + offs_j[None, :]
-    first = tl.sum((hit & (local < p - t0 * TOPK)).to(tl.int32)) == 0
     uses = tl.max(hit.to(tl.int32), axis=1) > 0
     slot = tl.min(tl.where(hit, offs_j[None, :], TOPK_PAD), axis=1)
+    if WINDOW > 0:
+        u = uses.to(tl.int32)
+        rank = tl.cumsum(u, 0) - u  # users before each token
+        mine = offs_t == (p - t0 * TOPK) // TOPK  # the program's token (it routes there: u == 1)
+        my_rank = tl.sum(tl.where(mine, rank, 0))
+        lead = tl.sum(tl.where(mine, slot, 0)) == (p - t0 * TOPK) % TOPK
+        first = lead & (my_rank % WINDOW == 0)
+        uses = uses & (rank >= my_rank) & (rank < my_rank + WINDOW)
+    else:
+        first = tl.sum((hit & (local < p - t0 * TOPK)).to(tl.int32)) == 0
     return expert.to(tl.int64), first, uses, slot, hit
 
 
