@@ -22,7 +22,7 @@ Architecture
     token's e4m3 activations (decoded the same way) and reduces with ``tl.sum``; a slot whose
     expert an earlier slot has exits. Tiles per family in FMA_TILES, overridable at call time
     with $VLLM_SM121_MOE_FMA_TILES; ``select_path`` picks the path from M and the device (on sm_90
-    also M <= 16, each program serving up to 4 of its expert's tokens: FMA_WINDOW_MAX_TOKENS).
+    also M <= 32, each program serving up to 4 of its expert's tokens: FMA_WINDOW_MAX_TOKENS).
 
     Decode (bandwidth-bound grouped GEMVs, 4 launches): ``moe_route`` also quantizes bf16 x to
     MXFP8; FC1 and FC2 run one program per (routed slot, row tile, block of 16 tokens) -- a slot
@@ -1029,14 +1029,16 @@ FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
 # (Stop 38 ran chunks of 4 tokens, one launch pair each, which read an expert routed in two chunks
 # twice: ~6% more bytes at M = 8, ~20% at M = 16.) Performance hyper-parameters, per family:
 # * sm_90: the grouped GEMMs are instruction-bound there (25-35% of the copy bandwidth), the FMA
-#   GEMVs less so. H200, same run (318e2f3, docs/moe-chunk-h200-318e2f3.json, gpt-oss-120b
-#   layer), the chunks of stop 38: M = 5 / 8 / 16 / 32 took 147.6 / 221.8 / 439.9 / 855.2 us vs
-#   236.9 / 315.9 / 464.8 / 723.6 us grouped, hence 16.
+#   GEMVs less so. H200, same run (39c665f, docs/moe-window-h200-39c665f.json, gpt-oss-120b layer,
+#   random routing): windowed M = 5 / 8 / 16 / 32 / 64 took 142.6 / 206.1 / 344.0 / 566.3 / 1032.9 us
+#   vs 238.4 / 316.0 / 466.3 / 723.2 / 1014.1 us grouped (vLLM's triton_kernels 136.6 / 192.2 /
+#   289.2 / 431.7 / 603.1), hence 32. (Stop 38's chunks, 318e2f3: 147.6 / 221.8 / 439.9 / 855.2 at
+#   M = 5 / 8 / 16 / 32.)
 # * sm_12x: 0 (the grouped GEMMs from M = 5). Not timed (no GB10); an estimate: GB10 has ~0.44x an
 #   H200's instruction rate but 273 GB/s, so both paths would be bound by the bytes they read
 #   there (M = 8 grouped: ~0.7 ms of instructions vs ~1.7 ms of DRAM time at 85% of 273 GB/s).
 # $VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS (read at call time) overrides it (A/B runs; 0: off).
-FMA_WINDOW_MAX_TOKENS: dict[str, int] = {_platform.SM90: 16, _platform.SM12X: 0, _platform.INTERPRETER: 0}
+FMA_WINDOW_MAX_TOKENS: dict[str, int] = {_platform.SM90: 32, _platform.SM12X: 0, _platform.INTERPRETER: 0}
 FMA_WINDOW_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS"
 # H100 at 8e7d4de (docs/moe-grouped-sweep-h100-8e7d4de.json): the swap-AB grouped GEMMs take
 # M = 8 in 375 us against 675 us for the dot_scaled decode GEMVs, which keep M <= 4 only (122 us

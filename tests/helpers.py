@@ -164,10 +164,11 @@ def greedy_agreement(pass0, pass1, tie: float | None = 0.05):
     sequence's first differing token (after it the contexts differ and nothing is comparable).
 
     Returns (|delta logprob| of the chosen token over the common positions, list of divergences).
-    At a divergence the two chosen tokens must be a near-tie in BOTH passes: each pass's token is
-    in the other's top-k with a logprob within ``tie`` of that pass's best; else it is recorded
-    as a real divergence (returned as (seq, pos, margin0, margin1)). ``tie=None``: the noise of
-    these two passes, the larger of 0.05 and the largest |delta| where they agree.
+    At a divergence (pass 0 picks a, pass 1 picks b) each pass's token must be in the other's
+    top-k, and the two margins m0 = lp0(a) - lp0(b), m1 = lp1(b) - lp1(a) must be what a logprob
+    noise of ``tie`` can produce: m0 + m1 = (lp0(a) - lp1(a)) + (lp1(b) - lp0(b)) <= 2 * tie;
+    else it is a real divergence (returned as (seq, pos, margin0, margin1)). ``tie=None``: the
+    noise of these two passes, the larger of 0.05 and the largest |delta| where they agree.
     """
     deltas, agree, flips = [], [], []
     for s, (steps0, steps1) in enumerate(zip(pass0, pass1)):
@@ -183,7 +184,7 @@ def greedy_agreement(pass0, pass1, tie: float | None = 0.05):
             break
     if tie is None:
         tie = max([0.05, *agree])
-    return torch.tensor(deltas), [f for f in flips if f[2] > tie or f[3] > tie]
+    return torch.tensor(deltas), [f for f in flips if f[2] + f[3] > 2 * tie]
 
 
 def generate_and_score(llm, prompts, gen: int = 0):

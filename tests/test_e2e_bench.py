@@ -509,11 +509,18 @@ def test_greedy_agreement_tolerates_near_tie_flips_only():
     # tie=None: a flip's margins are judged against the two passes' noise where they agree
     noisy0 = [[(5, lp(t5=-1.0)), (5, lp(t5=-0.5, t7=-0.58)), (1, lp(t1=-0.1))]]
     noisy1 = [[(5, lp(t5=-1.1)), (7, lp(t7=-0.5, t5=-0.55)), (2, lp(t2=-0.1))]]  # agree with |delta| 0.1, then flip
-    assert greedy_agreement(noisy0, noisy1)[1]  # margin 0.08 > the fixed 0.05
+    assert greedy_agreement(noisy0, noisy1)[1]  # margins 0.08 + 0.05 > twice the fixed 0.05
     d, bad = greedy_agreement(noisy0, noisy1, tie=None)
-    assert bad == [] and d.numel() == 2  # 0.08 and 0.05 are within that run's 0.1
+    assert bad == [] and d.numel() == 2  # 0.08 + 0.05 are within twice that run's 0.1
     quiet1 = [[(5, lp(t5=-1.0)), (7, lp(t7=-0.5, t5=-0.55)), (2, lp(t2=-0.1))]]  # no noise: the 0.05 floor
     assert greedy_agreement(noisy0, quiet1, tie=None)[1]
+    # the H200 run of stop 39: agreeing positions up to 0.0624, a flip of margins 0.0625 / 0.03125
+    # (one margin a hair above the noise, their sum well inside twice it): explained by that noise
+    h0 = [[(5, lp(t5=-1.0)), (5, lp(t5=-0.5, t7=-0.5625)), (1, lp(t1=-0.1))]]
+    h1 = [[(5, lp(t5=-1.0624)), (7, lp(t7=-0.5, t5=-0.53125)), (2, lp(t2=-0.1))]]
+    assert greedy_agreement(h0, h1, tie=None)[1] == []
+    lopsided1 = [[(5, lp(t5=-1.0624)), (7, lp(t7=-0.5, t5=-0.6)), (2, lp(t2=-0.1))]]  # 0.0625 + 0.1 > 0.1248
+    assert greedy_agreement(h0, lopsided1, tie=None)[1]
 
 
 def test_dry_run_plan_carries_the_config_environment(tmp_path):

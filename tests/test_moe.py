@@ -306,17 +306,17 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     assert K.select_path(1) == "decode"
     monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "99")  # capped at what the kernels take
     assert K.select_path(K.FMA_KERNEL_MAX_TOKENS + 1) == "grouped"
-    # windowed FMA: per family (sm_90 up to 16 tokens, timed; sm_12x and the interpreter off), on for M up
+    # windowed FMA: per family (sm_90 up to 32 tokens, timed; sm_12x and the interpreter off), on for M up
     # to its limit while the FMA path is on; the environment overrides every family, up to one launch's tokens
     monkeypatch.delenv(K.FMA_MAX_TOKENS_ENV)
     monkeypatch.delenv(K.FMA_WINDOW_MAX_TOKENS_ENV, raising=False)
-    assert K.FMA_WINDOW_MAX_TOKENS == {P.SM90: 16, P.SM12X: 0, P.INTERPRETER: 0}
+    assert K.FMA_WINDOW_MAX_TOKENS == {P.SM90: 32, P.SM12X: 0, P.INTERPRETER: 0}
     assert K.fma_window_max_tokens() == 0 and K.fma_window_max_tokens(cpu) == 0
     assert [K.select_path(m, cpu) for m in (4, 5)] == ["fma", "grouped"]
     with monkeypatch.context() as mp:  # a tensor on an sm_90 / sm_12x device, as the platform sees it
         for family, want in ((P.SM90, ["fma", "fma", "fma", "grouped"]), (P.SM12X, ["fma", "grouped", "grouped", "grouped"])):
             mp.setattr(P, "family_of", lambda t, f=family: f)
-            assert [K.select_path(m, cpu) for m in (4, 5, 16, 17)] == want, family
+            assert [K.select_path(m, cpu) for m in (4, 5, 32, 33)] == want, family
     with monkeypatch.context() as mp:
         mp.setenv(K.FMA_WINDOW_MAX_TOKENS_ENV, "1000")
         assert K.fma_window_max_tokens(cpu) == K.FMA_LAUNCH_MAX_TOKENS == 64

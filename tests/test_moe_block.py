@@ -286,7 +286,7 @@ def test_gpt_oss_shapes_on_gpu(model, experts, m, monkeypatch):
           f"MXFP8 vs bf16 activations rel L2 {rel_l2(ref, ref_bf16):.2e}, kernel vs bf16-activation ref "
           f"{rel_l2(out, ref_bf16):.2e}")
     # The kernel is held to the MXFP8-activation reference (assert_block_close: < 5e-3; measured
-    # 1.7e-3 on H200; the FMA GEMVs' packed fp16 products at M <= 4 passed it too). Since stop 38 M <= 16
+    # 1.7e-3 on H200; the FMA GEMVs' packed fp16 products at M <= 4 passed it too). Since stop 38 M <= 16 (stop 39: 32)
     # takes them on sm_90 (chunks of 4 then, windowed since stop 39: the same products per token), measured
     # 4.4e-3 / 5.2e-3 from the reference at M = 8 / 16 (benchmarks/moe.py, H200, chunks): 1e-2 there, the
     # bound of tests/test_moe.py's packed-product tests. Against bf16 activations the error is
