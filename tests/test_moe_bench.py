@@ -101,7 +101,7 @@ def test_dry_run_exits_0(tmp_path):
 def test_fma_provider_and_tile_sweep_options():
     from vllm_sm121.kernels import moe as K
 
-    assert bench.FMA_MAX_M == K.FMA_KERNEL_MAX_TOKENS
+    assert bench.FMA_MAX_M == K.FMA_LAUNCH_MAX_TOKENS
     assert {"sm121", "sm121_fma", "sm121_decode"} <= set(bench.PROVIDERS)
     a = bench.parse_args(["--m", "1,4", "--providers", "sm121_fma,sm121_decode",
                           "--fma-tiles", "64,256,32,256,8,1; 128,128,16,128,4,2"])
@@ -122,9 +122,9 @@ def test_dry_run_fma_sweep(tmp_path):
     assert "moe_block(path=fma)" in proc.stdout
     assert "fastest FMA tile at M=1: 64,32,16,32,4,2" in proc.stdout
     recs = json.loads(out.read_text())["records"]
-    # M = 5 runs the FMA path in chunks (4 + 1 tokens); the tile sweep stays at M <= 4
+    # M = 5 runs the FMA path windowed (one launch each); the tile sweep covers it too
     assert [r["status"] for r in recs if r["provider"] == "sm121_fma" and "tile" not in r] == ["ok", "ok"]
-    assert {r["m"] for r in recs if r.get("tile")} == {1}
+    assert {r["m"] for r in recs if r.get("tile")} == {1, 5}
     assert any(r.get("tile") == "64,32,16,32,4,2" and r["status"] == "ok" for r in recs)
 
 
