@@ -289,10 +289,10 @@ def moe_specs(family: str) -> list[Spec]:
             ptr_types=dict(mx, h_ptr="*i32", h_scale_ptr="*u8", w_ptr="*i32", topk_w_ptr="*fp32", part_ptr="*fp32"),
             num_warps=fc2_warps))
         fc1_spec, fc2_spec = specs[-2:]
-        if nt == 4:  # the windowed launch (M = 5..16: 4 of an expert's tokens per program)
-            specs.extend(dataclasses.replace(sp, name=sp.name[:-2] + "16 windowed]",
-                                             constexprs=dict(sp.constexprs, BLOCK_T=16, WINDOW=4))
-                         for sp in (fc1_spec, fc2_spec))
+        if nt == 4:  # the windowed launches (M = 5..64: 4 of an expert's tokens per program; sm_90's default <= 32)
+            specs.extend(dataclasses.replace(sp, name=sp.name[:-2] + f"{bt} windowed]",
+                                             constexprs=dict(sp.constexprs, BLOCK_T=bt, WINDOW=4))
+                         for bt in (16, 32, 64) for sp in (fc1_spec, fc2_spec))
         # the exact fp32 products (VLLM_SM121_MOE_FMA_F16X2=0), with their own tiles (FMA_TILES; no split-K there)
         exact = M.FMA_TILES[(family, min(nt, 2))]
         exact_fc2_warps, exact_fc2_stages = exact.fc2_launch()

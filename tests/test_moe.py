@@ -7,7 +7,9 @@ import triton.language as tl
 from test_moe_block import random_moe_weights
 
 from vllm_sm121.kernels.moe import dequant_mxfp4_torch, moe_fc1_swiglu, moe_fc1_swiglu_torch
-from vllm_sm121.kernels.moe_details._mx import _bf16_bits, load_mxfp4_tile, mxfp4_tile_bf16, mxfp8_tile_bf16
+from vllm_sm121.kernels.moe_details._mx import (_bf16_bits, load_mxfp4_tile, mxfp4_tile_bf16, mxfp8_tile_bf16,
+                                                 routed_tokens)
+from vllm_sm121.kernels.moe_details._moe_fma import _user
 from vllm_sm121.kernels.norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("exact_moe_products")]
@@ -364,10 +366,11 @@ def test_fma_block_path_matches_reference(device, m):
 
 @pytest.mark.parametrize("users", [5, 9])
 def test_fma_windows_cover_every_user(device, users):
-    """An expert routed to by more tokens than a program holds (5: windows of 4 + 1; 9: 4 + 4 + 1),
-    next to tokens routed elsewhere, a token whose two slots share one expert and a padded id:
+    """An expert routed to by more tokens than a program holds (users + 1 tokens on expert 3: windows
+    of 4 + 2 and 4 + 4 + 2), a token with both slots on expert 5 that is not its window's first user
+    (user 2 / 3), tokens routed elsewhere and an out-of-range id (clamped as every path does):
     FC1's MXFP8 rows and FC2's combined output equal each token run alone (every window's program
-    serves its tokens, no token twice, none left out)."""
+    serves its tokens, none left out; ``test_fma_windows_serve_each_pair_once`` counts the servings)."""
     from vllm_sm121.kernels import moe as K
 
     hidden, i, e, topk = 64, 64, 8, 2
@@ -376,12 +379,7 @@ def test_fma_windows_cover_every_user(device, users):
     w13, w13_s, b13, w2, w2_s, b2 = random_moe_weights(e, hidden, i, g)
     x = torch.randn(m, hidden, generator=g).bfloat16()
     q, s = mxfp8_quantize_torch(x.float())
-    ids = torch.randint(0, e, (m, topk), generator=g, dtype=torch.int32)
-    ids[:users, 0] = 3  # expert 3's users: tokens 0 .. users-1 (slot 0), and token users+1 (slot 1)
-    ids[:users, 1] = torch.where(ids[:users, 1] == 3, 4, ids[:users, 1])
-    ids[users + 1, 1] = 3
-    ids[users] = 5  # both slots of one token on expert 5
-    ids[users + 2, 1] = e + 7  # out of range: clamped as every path does
+    ids = torch.tensor([[3, 4 + t % 3] for t in range(users)] + [[5, 5], [6, 3], [1, e + 7]], dtype=torch.int32)
     wts = torch.rand(m, topk, generator=g)
     dev = lambda t: t.to(device)  # noqa: E731
     h, hs = K.moe_fc1_swiglu_fma(dev(q), dev(s), dev(w13), dev(w13_s), dev(b13), dev(ids))
@@ -399,6 +397,53 @@ def test_fma_windows_cover_every_user(device, users):
         o1 = K.moe_fc2_combine_fma(h1, hs1, dev(w2), dev(w2_s), dev(b2), dev(ids[sl]), dev(wts[sl])).cpu()
         assert torch.equal(out[t], o1[0]), t
     assert out[:users].abs().max() > 0
+
+
+@triton.jit
+def _windows_probe(ids_ptr, lead_ptr, usr_ptr, M, E: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr, WINDOW: tl.constexpr):
+    """Per routed slot: whether its program leads, and its users 0..3 as (exists, token, slot)."""
+    p = tl.program_id(0)
+    _expert, first, uses, slot, _hit = routed_tokens(ids_ptr, p, 0, M, E, TOPK, TOPK_PAD, BLOCK_T, WINDOW)
+    tl.store(lead_ptr + p, first.to(tl.int32))
+    offs = tl.arange(0, BLOCK_T)
+    for u in tl.static_range(4):
+        ok, tok, sl = _user(uses, slot, offs, u)
+        tl.store(usr_ptr + p * 12 + 3 * u, ok.to(tl.int32))
+        tl.store(usr_ptr + p * 12 + 3 * u + 1, tok)
+        tl.store(usr_ptr + p * 12 + 3 * u + 2, sl)
+
+
+@pytest.mark.parametrize("m,e,topk", [(5, 3, 4), (13, 8, 1), (33, 8, 4), (9, 1, 2)])
+def test_fma_windows_serve_each_pair_once(m, e, topk):
+    """The windowed routing (WINDOW = 4): every (token, clamped expert) pair is served exactly once,
+    by the token's first slot on that expert, in windows of at most 4 users, with ceil(users / 4)
+    leading programs per expert (a token served twice would not change the FMA GEMVs' output, only
+    the bytes they read, so this counts directly). Random ids incl. out-of-range ones; (9, 1, 2):
+    every slot on one expert."""
+    g = torch.Generator().manual_seed(m * 100 + e)
+    ids = torch.randint(-2, e + 3, (m, topk), generator=g, dtype=torch.int32)
+    lead = torch.zeros(m * topk, dtype=torch.int32)
+    usr = torch.zeros(m * topk, 12, dtype=torch.int32)
+    _windows_probe[(m * topk,)](ids, lead, usr, m, E=e, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
+                                BLOCK_T=triton.next_power_of_2(m), WINDOW=4)
+    c = ids.clamp(0, e - 1)
+    served, leaders = {}, {}
+    for p in range(m * topk):
+        if not lead[p]:
+            continue
+        ex = int(c.view(-1)[p])
+        leaders[ex] = leaders.get(ex, 0) + 1
+        window = [tuple(usr[p, 3 * u:3 * u + 3].tolist()) for u in range(4)]
+        assert window[0][0] == 1, p  # a leader serves at least its own token
+        for ok, t, j in window:
+            if ok:
+                assert int(c[t, j]) == ex and ex not in c[t, :j].tolist(), (p, t, j)  # the token's first slot there
+                served[(t, ex)] = served.get((t, ex), 0) + 1
+    pairs = {(t, int(c[t, j])) for t in range(m) for j in range(topk)}
+    assert set(served) == pairs and set(served.values()) == {1}, served
+    users = {ex: sum(1 for t, x in pairs if x == ex) for ex in {x for _, x in pairs}}
+    assert leaders == {ex: -(-n // 4) for ex, n in users.items()}, (leaders, users)
 
 
 # ---- GPU: the FMA path at gpt-oss shapes ----------------------------------------------------------

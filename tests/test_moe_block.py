@@ -266,7 +266,7 @@ def test_align_tiles_cover_every_pair_once():
 
 # ---- GPU: gpt-oss shapes ------------------------------------------------------------------------
 
-GPU_MS = (1, 2, 4, 8, 16, 64, 256, 2048)
+GPU_MS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
 
 
 @pytest.mark.gpu
