@@ -1037,6 +1037,9 @@ FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
 # * sm_12x: 0 (the grouped GEMMs from M = 5). Not timed (no GB10); an estimate: GB10 has ~0.44x an
 #   H200's instruction rate but 273 GB/s, so both paths would be bound by the bytes they read
 #   there (M = 8 grouped: ~0.7 ms of instructions vs ~1.7 ms of DRAM time at 85% of 273 GB/s).
+#   With uniform routing those bytes are equal, but an expert with more than 4 tokens (skewed
+#   routing; dummy weights send every token to the same 4) is read once per 4 of them here and
+#   once per 16 by the grouped GEMMs.
 # $VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS (read at call time) overrides it (A/B runs; 0: off).
 FMA_WINDOW_MAX_TOKENS: dict[str, int] = {_platform.SM90: 32, _platform.SM12X: 0, _platform.INTERPRETER: 0}
 FMA_WINDOW_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS"
