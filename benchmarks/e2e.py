@@ -61,6 +61,15 @@ Points (``POINTS`` below; ``--points a,b``)
                 together from the first step and each run skips the long prefill. Prefill points
                 get fresh prompts on every run (no cache hits). Off by default (earlier results
                 were measured without it; caching adds block hashing to the host's step).
+    --random-router
+                after the engine starts, every MoE layer's router weight is refilled with
+                N(0, ROUTER_STD^2) values (seeded per layer, the same in every configuration and
+                on every TP rank) and its bias zeroed (``randomize_routers``). With dummy weights
+                the router bias (+-1e-3) outweighs W.y (the norm's dummy weight makes y ~1e-3),
+                so every token routes to the same 4 experts and batched decode reads 4 experts
+                per layer; with this, routing follows the tokens, as real weights' routing does
+                (~28 distinct experts per layer at batch 8, ~81 at 32 with uniform routing). Off
+                by default (earlier results were measured without it).
     Every point: --warmup untimed runs of each timed shape (Triton JIT, autotuning), then
     --iters timed repetitions (t(1) and t(128) interleaved per repetition); decode ms/step =
     (min t(128) - min t(1)) / 127 (host stalls of 1-3 s hit random iterations on H100, upstream
@@ -740,6 +749,35 @@ def make_prompts(pt: Point, vocab: int, seed: int, run: int | None = None) -> li
 # Every request's temperature (--temperature; the child process sets it from its spec): 0 = greedy.
 SAMPLING_TEMPERATURE = 0.0
 
+# --random-router: std of the refilled router weights. The router input y = rmsnorm(h) * w has
+# elements of ~1e-3 / sqrt(3) with vLLM's dummy norm weight (uniform +-1e-3), so each logit has a
+# std of ~ROUTER_STD * 5.8e-4 * sqrt(hidden) (~1 for gpt-oss's 2880): softmax weights that are
+# neither one-hot nor flat. Which experts win does not depend on the scale.
+ROUTER_STD = 32.0
+
+
+def randomize_routers(model, seed: int, std: float = ROUTER_STD) -> int:
+    """Refill every ``*.mlp.router`` linear's weight of ``model`` in place with N(0, std^2) values
+    (layer i from seed + i, generated in fp32 on the weight's device, then cast) and zero its bias;
+    returns how many it refilled. In place, so CUDA graphs and compiled code captured on these
+    tensors see the new values. Raises if the model has no such router (not a gpt-oss MoE)."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            w = getattr(mod, "weight", None)
+            if not name.endswith("mlp.router") or not isinstance(w, torch.Tensor) or w.dim() != 2:
+                continue
+            g = torch.Generator(device=w.device).manual_seed(seed + n)
+            w.copy_(torch.randn(w.shape, generator=g, device=w.device, dtype=torch.float32).mul_(std))
+            if getattr(mod, "bias", None) is not None:
+                mod.bias.zero_()
+            n += 1
+    if not n:
+        raise RuntimeError("--random-router: the model has no '*.mlp.router' linear (gpt-oss MoE layers expected)")
+    return n
+
 
 def make_sampling_params(max_tokens: int):
     from vllm import SamplingParams
@@ -1032,6 +1070,8 @@ def child_main(spec_path: str, result_path: str) -> int:
             flush=True,
         )
 
+    if spec.get("random_router"):  # LLM.apply_model ships a function to the workers
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = start_engine(spec["llm_kwargs"], res, result_path, log)
     if llm is None:
         return 3
@@ -1039,6 +1079,18 @@ def child_main(spec_path: str, result_path: str) -> int:
     log(
         f"engine up in {res['startup_s']:.1f}s: {json.dumps(res['engine'], default=str)}"
     )
+    if spec.get("random_router"):
+        import functools
+
+        try:
+            counts = llm.apply_model(functools.partial(randomize_routers, seed=int(spec["seed"])))
+        except Exception as e:  # noqa: BLE001
+            res["error"] = f"--random-router failed: {_short_error(e)}"
+            log(res["error"])
+            _write_json(result_path, res)
+            return 3
+        res["random_router"] = {"routers_per_rank": counts, "std": ROUTER_STD}
+        log(f"router weights refilled (N(0, {ROUTER_STD}^2), bias 0): {counts} layers per rank")
     try:
         vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     except Exception:  # noqa: BLE001
@@ -1297,6 +1349,7 @@ def make_header(args, copy_bw: dict | None) -> dict:
         "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
         "engine_timestamps": bool(getattr(args, "engine_timestamps", False)),
         "cached_prompts": bool(getattr(args, "cached_prompts", False)),
+        "random_router": bool(getattr(args, "random_router", False)),
         "copy_bandwidth": copy_bw,
         "copy_bandwidth_gbps": (copy_bw or {}).get("gbps"),
         "gb10": {"bandwidth_gbps": GB10_BANDWIDTH_GBPS, "published": PUBLISHED_GB10},
@@ -1575,12 +1628,14 @@ def print_results(result: dict) -> None:
             print(f"\n{run['plan']['config']}: {run['error']}")
             for line in run.get("error_log_lines") or []:
                 print(f"    {line[:300]}")
+    routing = ("the routers were refilled (--random-router), so routing follows the tokens as the model "
+               "assumes" if result.get("header", {}).get("random_router") else
+               "dummy weights route nearly every token to the same experts, so GB/tok, %BW and the projection "
+               "are upper bounds there (a %BW over 100 is that artifact; --random-router avoids it)")
     print(
         "\nGB10 projection assumes the efficiency (% of copy bandwidth) measured here; on H100/H200 "
         "batch-1 decode is latency-bound, so the projection is a floor for a bandwidth-bound GB10."
-        "\nBatch > 1: the bytes model counts the distinct experts of uniform top-k routing; dummy weights "
-        "route nearly every token to the same experts, so GB/tok, %BW and the projection are upper "
-        "bounds there (a %BW over 100 is that artifact)."
+        f"\nBatch > 1: the bytes model counts the distinct experts of uniform top-k routing; {routing}."
     )
 
 
@@ -1760,6 +1815,13 @@ def parse_args(argv=None):
         "and then run from the cache, so every request decodes from the first step (clean batch "
         "decode after long prompts, no repeated long prefills); prefill points get fresh prompts "
         "per run. Off by default",
+    )
+    ap.add_argument(
+        "--random-router",
+        action="store_true",
+        help="refill every MoE router with seeded N(0, 32^2) weights and a zero bias after start-up, so "
+        "that batched decode routes like real weights (dummy weights send every token to the same 4 "
+        "experts). Off by default",
     )
     ap.add_argument(
         "--engine-timestamps",
@@ -2049,6 +2111,7 @@ def main(argv=None) -> int:
                 "seed": args.seed,
                 "temperature": args.temperature,
                 "cached_prompts": bool(getattr(args, "cached_prompts", False)),
+                "random_router": bool(getattr(args, "random_router", False)),
                 "vocab": m.hf_config["vocab_size"],
                 "t0": t_start,
             }

@@ -821,3 +821,48 @@ def test_temperature_reaches_the_header_and_the_sampling_params(tmp_path, monkey
     assert json.loads(out.read_text())["header"]["temperature"] == 1.0
     monkeypatch.setattr(e2e, "SAMPLING_TEMPERATURE", 1.0)
     assert e2e.make_sampling_params(4).temperature == 1.0
+
+
+def test_random_router_refills_gpt_oss_routers_only():
+    """--random-router: every ``*.mlp.router`` weight refilled with seeded N(0, 32^2) values (the
+    same for the same seed, so every configuration and TP rank routes alike; another layer, another
+    draw), its bias zeroed, nothing else touched, in place (captured graphs hold these tensors);
+    a model without routers is an error, not a silent no-op; the flag reaches the header."""
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(64, 8)
+            self.proj = torch.nn.Linear(64, 64)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Mlp()
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleList([Layer(), Layer()])
+        for p in m.parameters():
+            torch.nn.init.uniform_(p, -1e-3, 1e-3)  # vLLM's dummy weights
+        return m
+
+    a, b = model(), model()
+    storage = a.layers[0].mlp.router.weight.data_ptr()
+    proj = a.layers[0].mlp.proj.weight.clone()
+    assert e2e.randomize_routers(a, seed=5) == 2 and e2e.randomize_routers(b, seed=5) == 2
+    r0, r1 = a.layers[0].mlp.router, a.layers[1].mlp.router
+    assert r0.weight.data_ptr() == storage and torch.equal(a.layers[0].mlp.proj.weight, proj)
+    assert torch.equal(r0.weight, b.layers[0].mlp.router.weight) and not torch.equal(r0.weight, r1.weight)
+    assert 28 < r0.weight.std().item() < 36 and r0.bias.abs().max() == 0
+    # routing now follows the input: distinct inputs pick different top-4 sets (with the dummy
+    # bias it did not: the bias outweighs W.y at these scales)
+    y = torch.rand(32, 64) * 2e-3 - 1e-3
+    fresh = model().layers[0].mlp.router
+    assert len({tuple(sorted(t.tolist())) for t in fresh(y).topk(4).indices}) == 1
+    assert len({tuple(sorted(t.tolist())) for t in r0(y).topk(4).indices}) > 8
+    with pytest.raises(RuntimeError, match="no '\\*.mlp.router'"):
+        e2e.randomize_routers(torch.nn.Linear(4, 4), seed=0)
+    args = e2e.parse_args(["--model", "gpt-oss-tiny", "--random-router", "--configs", "sm121"])
+    assert e2e.make_header(args, None)["random_router"] is True
+    assert e2e.make_header(e2e.parse_args(["--model", "gpt-oss-tiny", "--configs", "sm121"]), None)["random_router"] is False
