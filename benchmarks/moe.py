@@ -91,7 +91,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("sm121", "sm121_fma", "sm121_decode", "sm121_grouped", "triton", "marlin", "sm121_fmaq")
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FLUSH_BYTES = 256 << 20
-FMA_MAX_M = 64  # kernels.moe.FMA_LAUNCH_MAX_TOKENS: the FMA tile sweep's largest M (checked in tests/test_moe_bench.py)
 COPY_BYTES = 1 << 30
 NO_CUDA_MESSAGE = "benchmarks/moe.py needs a CUDA GPU (use --dry-run on the CPU)"
 
@@ -438,8 +437,8 @@ def _fma_f16x2(device) -> bool:
 
 
 def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
-    """Time the FMA decode path per tile (--fma-tiles) at each M <= FMA_MAX_M (one launch each; windowed
-    above 4 tokens): block, FC1, FC2 + combine."""
+    """Time the FMA decode path per tile (--fma-tiles) at each M of one launch (<= FMA_LAUNCH_MAX_TOKENS;
+    windowed above 4 tokens): block, FC1, FC2 + combine."""
     from vllm_sm121.kernels import moe as K
 
     w = weights
@@ -457,7 +456,7 @@ def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
 
     return _tile_sweep(args, w, device, flush, copy_gbps, parts, name="FMA", provider="sm121_fma_tile",
                        env=K.FMA_TILES_ENV, specs=args.fma_tiles,
-                       ms=[m for m in args.m if 0 < m <= FMA_MAX_M],
+                       ms=[m for m in args.m if 0 < m <= K.FMA_LAUNCH_MAX_TOKENS],
                        title="FMA decode tile sweep (fc1_rows,fc1_kb,fc2_rows,fc2_kb,warps,stages"
                              "[,fc2_warps,fc2_stages[,fc2_split[,fc1_split]]])")
 

@@ -212,7 +212,6 @@ def routed_tokens_of(ids, expert, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr,
     ids = tl.minimum(tl.maximum(ids, 0), E - 1)
     expert = tl.minimum(tl.maximum(expert, 0), E - 1)
     hit = slot_ok & (ids == expert)
-    local = offs_t[:, None] * TOPK + offs_j[None, :]
     uses = tl.max(hit.to(tl.int32), axis=1) > 0
     slot = tl.min(tl.where(hit, offs_j[None, :], TOPK_PAD), axis=1)
     if WINDOW > 0:
@@ -224,6 +223,7 @@ def routed_tokens_of(ids, expert, p, t0, M, E: tl.constexpr, TOPK: tl.constexpr,
         first = lead & (my_rank % WINDOW == 0)
         uses = uses & (rank >= my_rank) & (rank < my_rank + WINDOW)
     else:
+        local = offs_t[:, None] * TOPK + offs_j[None, :]
         first = tl.sum((hit & (local < p - t0 * TOPK)).to(tl.int32)) == 0
     return expert.to(tl.int64), first, uses, slot, hit
 
