@@ -188,8 +188,10 @@ for step in "$@"; do
     densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-8,256,8;16,128,8;8,512,8;8,1024,8;4,1024,8;4,1024,4;8,1024,16;16,1024,16;4,512,4}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
     moewindow) python3 benchmarks/moe.py --m ${MOE_M:-1,4,5,8,16,32,64} --providers sm121_fma,sm121_grouped,triton --out "$OUT/moe_window.json" 2>&1 | tee "$OUT/moewindow.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;  # the windowed FMA path (stop 39) vs grouped vs vLLM
     moewsweep) python3 benchmarks/moe.py --m ${MOE_M:-8,16,32} --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,3;64,256,32,256,4,2;64,256,32,256,8,3;128,256,64,256,4,3;64,128,32,128,4,3}" --out "$OUT/moe_window_sweep.json" 2>&1 | tee "$OUT/moewsweep.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # FMA tiles of the windowed launches (M > 4)
-    windowtests) python3 -m pytest -q -s tests/test_moe.py -k "windows or fma_block_path" --device cuda -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/windowtests.log"
-                 python3 -m pytest -q -s -m gpu tests/test_moe_block.py -k "gpt_oss_shapes" -p no:cacheprovider 2>&1 | tee -a "$OUT/windowtests.log" | grep -E "M=|passed|failed|Error" | tail -n 40 ;;
+    windowtests) python3 -m pytest -q -s tests/test_moe.py -k "windows or fma_block_path" --device cuda -p no:cacheprovider > "$OUT/windowtests.log" 2>&1; r1=$?
+                 tail -n 5 "$OUT/windowtests.log"
+                 python3 -m pytest -q -s -m gpu tests/test_moe_block.py -k "gpt_oss_shapes" -p no:cacheprovider >> "$OUT/windowtests.log" 2>&1; r2=$?
+                 grep -E "M=|passed|failed|Error" "$OUT/windowtests.log" | tail -n 40; [ $r1 -eq 0 ] && [ $r2 -eq 0 ] ;;
     moechunk) python3 benchmarks/moe.py --m 1,4,5,8,16,32,64 --providers sm121_fma,sm121_decode,sm121_grouped,triton --out "$OUT/moe_chunk.json" 2>&1 | tee "$OUT/moechunk.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
     e2etiny) python3 benchmarks/e2e.py --model models/gpt-oss-tiny --configs "${E2E_CONFIGS:-upstream-default,upstream-triton,sm121,sm121-graph-a,sm121-graph}" --points "${E2E_POINTS:-tg128,tg128-b8}" ${E2E_ARGS:-} --out "$OUT/e2e_tiny${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_tiny${E2E_TAG:-}.log" | tail -n 40 ;;
     profilewm) fail=0; for a in "default|--backend default" "sm121|--backend SM121" "wm_a|--whole-model" "wm|--whole-model" "wm_p|--whole-model"; do
