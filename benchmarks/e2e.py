@@ -64,12 +64,18 @@ Points (``POINTS`` below; ``--points a,b``)
     --random-router
                 after the engine starts, every MoE layer's router weight is refilled with
                 N(0, ROUTER_STD^2) values (seeded per layer, the same in every configuration and
-                on every TP rank) and its bias zeroed (``randomize_routers``). With dummy weights
-                the router bias (+-1e-3) outweighs W.y (the norm's dummy weight makes y ~1e-3),
-                so every token routes to the same 4 experts and batched decode reads 4 experts
-                per layer; with this, routing follows the tokens, as real weights' routing does
-                (~28 distinct experts per layer at batch 8, ~81 at 32 with uniform routing). Off
-                by default (earlier results were measured without it).
+                on every TP rank) and the biases that add the same vector to every token's
+                residual are zeroed: the routers', o_proj's and the experts' (``randomize_routers``).
+                With dummy weights the router bias (+-1e-3) outweighs W.y (the norm's dummy weight
+                makes y ~1e-3), so every token routes to the same 4 experts. Refilling the router
+                alone is not enough (stop 40, H200: upstream's batch-32 step stayed at 4.9 ms,
+                the batch-1 step plus little): each layer's o_proj and expert biases add one
+                token-independent vector to the residual, which after a few layers outweighs the
+                embedding (the only token-dependent part with dummy weights), and the deeper
+                layers' routers again pick one top-4 set. With those biases zeroed the residual
+                stays ~the token's embedding and routing follows the tokens, as real weights'
+                routing does (~28 distinct experts per layer at batch 8, ~81 at 32 with uniform
+                routing). Off by default (earlier results were measured without it).
     Every point: --warmup untimed runs of each timed shape (Triton JIT, autotuning), then
     --iters timed repetitions (t(1) and t(128) interleaved per repetition); decode ms/step =
     (min t(128) - min t(1)) / 127 (host stalls of 1-3 s hit random iterations on H100, upstream
@@ -756,11 +762,20 @@ SAMPLING_TEMPERATURE = 0.0
 ROUTER_STD = 32.0
 
 
+# --random-router also zeroes these biases (parameter names): each adds the same vector to every
+# token's residual stream (dummy values +-1e-3, the experts' w2 bias through every routed expert).
+# The qkv bias stays: it keeps the K / V values (and the KV-cache scales) at their usual dummy size,
+# and what it adds to the residual passes o_proj's dummy weight (~1e-3 x the bias), far below the
+# embedding.
+TOKEN_INDEPENDENT_BIASES = ("o_proj.bias", "w13_bias", "w2_bias")
+
+
 def randomize_routers(model, seed: int, std: float = ROUTER_STD) -> int:
     """Refill every ``*.mlp.router`` linear's weight of ``model`` in place with N(0, std^2) values
-    (layer i from seed + i, generated in fp32 on the weight's device, then cast) and zero its bias;
-    returns how many it refilled. In place, so CUDA graphs and compiled code captured on these
-    tensors see the new values. Raises if the model has no such router (not a gpt-oss MoE)."""
+    (layer i from seed + i, generated in fp32 on the weight's device, then cast), zero its bias and
+    every TOKEN_INDEPENDENT_BIASES parameter; returns how many routers it refilled. In place, so
+    CUDA graphs, compiled code and kernel configurations that hold these tensors see the new
+    values. Raises if the model has no such router (not a gpt-oss MoE)."""
     import torch
 
     n = 0
@@ -774,8 +789,11 @@ def randomize_routers(model, seed: int, std: float = ROUTER_STD) -> int:
             if getattr(mod, "bias", None) is not None:
                 mod.bias.zero_()
             n += 1
-    if not n:
-        raise RuntimeError("--random-router: the model has no '*.mlp.router' linear (gpt-oss MoE layers expected)")
+        if not n:
+            raise RuntimeError("--random-router: the model has no '*.mlp.router' linear (gpt-oss MoE layers expected)")
+        for name, p in model.named_parameters():
+            if name.endswith(TOKEN_INDEPENDENT_BIASES) and p.is_floating_point():
+                p.zero_()
     return n
 
 
@@ -1090,7 +1108,7 @@ def child_main(spec_path: str, result_path: str) -> int:
             _write_json(result_path, res)
             return 3
         res["random_router"] = {"routers_per_rank": counts, "std": ROUTER_STD}
-        log(f"router weights refilled (N(0, {ROUTER_STD}^2), bias 0): {counts} layers per rank")
+        log(f"router weights refilled (N(0, {ROUTER_STD}^2), bias 0; o_proj / expert biases 0): {counts} layers per rank")
     try:
         vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     except Exception:  # noqa: BLE001

@@ -823,42 +823,93 @@ def test_temperature_reaches_the_header_and_the_sampling_params(tmp_path, monkey
     assert e2e.make_sampling_params(4).temperature == 1.0
 
 
+class _Experts(torch.nn.Module):
+    def __init__(self, e: int, h: int):
+        super().__init__()
+        self.w13_bias = torch.nn.Parameter(torch.empty(e, 2 * h))
+        self.w2_bias = torch.nn.Parameter(torch.empty(e, h))
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(h, 3 * h)
+        self.o_proj = torch.nn.Linear(h, h)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, h: int, e: int):
+        super().__init__()
+        self.router = torch.nn.Linear(h, e)
+        self.experts = _Experts(e, h)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, h: int, e: int):
+        super().__init__()
+        self.attn = _Attn(h)
+        self.mlp = _Mlp(h, e)
+        self.norm = torch.nn.Parameter(torch.empty(h))
+
+
+def _dummy_moe_model(layers: int = 2, h: int = 64, e: int = 8) -> torch.nn.Module:
+    """gpt-oss-like parameter names, every value vLLM's dummy uniform(-1e-3, 1e-3)."""
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([_Layer(h, e) for _ in range(layers)])
+    for p in m.parameters():
+        torch.nn.init.uniform_(p, -1e-3, 1e-3)
+    return m
+
+
+def _decode_distinct_experts(m: torch.nn.Module, steps: int = 4, seqs: int = 32, vocab: int = 4096) -> tuple[int, float]:
+    """Greedy decode of ``seqs`` sequences through ``m`` as a gpt-oss decoder with dummy weights
+    runs: the experts' MXFP4 blocks are zero, so an expert outputs its w2 bias; the attention's
+    value path is the qkv bias (o_proj's dummy weight times it) plus o_proj's bias; dummy
+    embedding, final norm and lm_head. Returns the last step's distinct next tokens and distinct
+    experts per layer (mean over the layers)."""
+    h_dim = m.layers[0].norm.numel()
+    emb, lm = (torch.rand(vocab, h_dim) * 2e-3 - 1e-3 for _ in range(2))
+    g_final = torch.rand(h_dim) * 2e-3 - 1e-3
+    tok = torch.randint(0, vocab, (seqs,))
+
+    def norm(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g
+
+    for _ in range(steps):
+        h, experts = emb[tok], []
+        for ly in m.layers:
+            h = h + ly.attn.o_proj(ly.attn.qkv_proj.bias[-h_dim:])[None, :]  # the same for every token
+            w, ids = ly.mlp.router(norm(h, ly.norm)).topk(4)
+            h = h + (w.softmax(-1)[..., None] * ly.mlp.experts.w2_bias[ids]).sum(1)
+            experts.append(ids.unique().numel())
+        tok = (norm(h, g_final) @ lm.T).argmax(-1)
+    return tok.unique().numel(), sum(experts) / len(experts)
+
+
 def test_random_router_refills_gpt_oss_routers_only():
     """--random-router: every ``*.mlp.router`` weight refilled with seeded N(0, 32^2) values (the
     same for the same seed, so every configuration and TP rank routes alike; another layer, another
-    draw), its bias zeroed, nothing else touched, in place (captured graphs hold these tensors);
-    a model without routers is an error, not a silent no-op; the flag reaches the header."""
-    class Mlp(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = torch.nn.Linear(64, 8)
-            self.proj = torch.nn.Linear(64, 64)
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = Mlp()
-
-    def model():
-        torch.manual_seed(0)
-        m = torch.nn.Module()
-        m.layers = torch.nn.ModuleList([Layer(), Layer()])
-        for p in m.parameters():
-            torch.nn.init.uniform_(p, -1e-3, 1e-3)  # vLLM's dummy weights
-        return m
-
-    a, b = model(), model()
+    draw), its bias, o_proj's and the experts' biases zeroed, the qkv bias and every weight
+    untouched, in place (captured graphs hold these tensors); a model without routers is an error,
+    not a silent no-op; the flag reaches the header."""
+    a, b = _dummy_moe_model(), _dummy_moe_model()
     storage = a.layers[0].mlp.router.weight.data_ptr()
-    proj = a.layers[0].mlp.proj.weight.clone()
+    keep = {n: p.clone() for n, p in a.named_parameters()
+            if not n.endswith(("router.weight",) + e2e.TOKEN_INDEPENDENT_BIASES + ("router.bias",))}
     assert e2e.randomize_routers(a, seed=5) == 2 and e2e.randomize_routers(b, seed=5) == 2
     r0, r1 = a.layers[0].mlp.router, a.layers[1].mlp.router
-    assert r0.weight.data_ptr() == storage and torch.equal(a.layers[0].mlp.proj.weight, proj)
+    assert r0.weight.data_ptr() == storage
+    params = dict(a.named_parameters())
+    assert all(torch.equal(params[n], v) for n, v in keep.items()) and "layers.0.attn.qkv_proj.bias" in keep
+    for n in ("mlp.router.bias", "attn.o_proj.bias", "mlp.experts.w13_bias", "mlp.experts.w2_bias"):
+        assert params[f"layers.1.{n}"].abs().max() == 0, n
     assert torch.equal(r0.weight, b.layers[0].mlp.router.weight) and not torch.equal(r0.weight, r1.weight)
-    assert 28 < r0.weight.std().item() < 36 and r0.bias.abs().max() == 0
+    assert 28 < r0.weight.std().item() < 36
     # routing now follows the input: distinct inputs pick different top-4 sets (with the dummy
     # bias it did not: the bias outweighs W.y at these scales)
     y = torch.rand(32, 64) * 2e-3 - 1e-3
-    fresh = model().layers[0].mlp.router
+    fresh = _dummy_moe_model().layers[0].mlp.router
     assert len({tuple(sorted(t.tolist())) for t in fresh(y).topk(4).indices}) == 1
     assert len({tuple(sorted(t.tolist())) for t in r0(y).topk(4).indices}) > 8
     with pytest.raises(RuntimeError, match="no '\\*.mlp.router'"):
@@ -866,3 +917,27 @@ def test_random_router_refills_gpt_oss_routers_only():
     args = e2e.parse_args(["--model", "gpt-oss-tiny", "--random-router", "--configs", "sm121"])
     assert e2e.make_header(args, None)["random_router"] is True
     assert e2e.make_header(e2e.parse_args(["--model", "gpt-oss-tiny", "--configs", "sm121"]), None)["random_router"] is False
+
+
+def test_random_router_keeps_decoded_tokens_and_routing_apart():
+    """Why --random-router zeroes the token-independent biases (stop 40: with the routers alone,
+    upstream's batch-32 step on an H200 stayed at the batch-1 step plus little). With dummy
+    weights every layer's o_proj and expert biases add one vector to every token's residual, which
+    outweighs the embedding after a few layers: greedy decode then gives 32 sequences a handful of
+    distinct next tokens, and those tokens route alike. Zeroing those biases keeps each residual
+    ~its token's embedding: 32 distinct tokens and ~81 distinct experts per layer (uniform top-4
+    of 128 over 32 tokens), against 4 with the dummy routers."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        dummy = _dummy_moe_model(layers=36, h=256, e=128)
+        routers_only = _dummy_moe_model(layers=36, h=256, e=128)
+        for i, ly in enumerate(routers_only.layers):  # the first version of --random-router
+            g = torch.Generator().manual_seed(i)
+            ly.mlp.router.weight.copy_(torch.randn(ly.mlp.router.weight.shape, generator=g) * e2e.ROUTER_STD)
+            ly.mlp.router.bias.zero_()
+        full = _dummy_moe_model(layers=36, h=256, e=128)
+        e2e.randomize_routers(full, seed=0)
+        (t_dummy, e_dummy), (t_ro, e_ro), (t_full, e_full) = (
+            _decode_distinct_experts(m) for m in (dummy, routers_only, full))
+    assert e_dummy == 4 and t_ro <= 8 and e_ro < 20, (t_dummy, e_dummy, t_ro, e_ro)
+    assert t_full >= 28 and 70 <= e_full <= 90, (t_full, e_full)
