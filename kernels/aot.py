@@ -407,9 +407,10 @@ def dense_specs(family: str) -> list[Spec]:
         for nt in (1, 4):
             fma = D.DENSE_FMA_TILES_M1.get((family, what == "lm_head"), D.DENSE_FMA_TILES[family]) if nt == 1 \
                 else D.DENSE_FMA_TILES[family]
+            kw = min(fma.kw, triton.next_power_of_2(k // 4))
             specs.append(Spec(name=f"dense_fp8_fma[{what} K{k}, M{nt}]", fn=_dense_fp8_fma_kernel,
-                              constexprs=dict(K=k, NT=nt, BLOCK_R=fma.rows, BLOCK_KW=min(fma.kw, triton.next_power_of_2(k // 4)),
-                                              HAS_BIAS=bias),
+                              constexprs=dict(K=k, NT=nt, BLOCK_R=fma.rows, BLOCK_KW=kw, HAS_BIAS=bias,
+                                              X_ROWS=D.fma_x_rows(fma, kw)),
                               ptr_types=fma_ptrs, num_warps=fma.num_warps))
             if what == "qkv":  # gpt-oss's rotary embedding in the epilogue (q + k rows: 72 heads of 64)
                 specs.append(Spec(name=f"dense_fp8_fma[qkv K{k}, M{nt}, rope]", fn=_dense_fp8_fma_kernel,

@@ -283,6 +283,18 @@ def dense_fma_tiles(t: torch.Tensor, m: int = 2, n: int = 0) -> DenseFmaTiles:
     return DENSE_FMA_TILES[family]
 
 
+# $VLLM_SM121_DENSE_X_ROWS=0 turns fma_x_rows off (read at call time; for A/B runs: the old loads)
+DENSE_X_ROWS_ENV = "VLLM_SM121_DENSE_X_ROWS"
+
+
+def fma_x_rows(tiles: DenseFmaTiles, kw: int) -> bool:
+    """Whether the FMA kernel loads its activation words in the weight tile's layout (X_ROWS): where
+    its K step spans kw >= 32 * warps words, which Triton 3.6 would otherwise load one word per
+    thread and broadcast through shared memory (barriers in the K loop; the one-token 8,256,8).
+    Same bits either way (tests/test_dense.py)."""
+    return kw >= 32 * tiles.num_warps and V.env_int(DENSE_X_ROWS_ENV, 1) != 0
+
+
 def select_path(m: int, n: int = 0) -> str:
     """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma",
     "w8a8" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
@@ -538,7 +550,8 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None, norm=None) -> torch.T
     _dense_fp8_fma_kernel[(grid,)](
         xw, w.view(torch.uint8).view(torch.int32), scale, bias if bias is not None else scale, out, n,
         xw.stride(0), out.stride(0), K=k, NT=m, BLOCK_R=tiles.rows, BLOCK_KW=kw, HAS_BIAS=bias is not None,
-        num_warps=tiles.num_warps, **extra, **V.pdl_launch(x))  # $VLLM_SM121_PDL: a programmatic dependent
+        X_ROWS=fma_x_rows(tiles, kw), num_warps=tiles.num_warps, **extra,
+        **V.pdl_launch(x))  # $VLLM_SM121_PDL: a programmatic dependent
     return out
 
 

@@ -144,6 +144,27 @@ def test_dense_fma_matches_reference(n, k, m, bias, device):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("tiles", ["4,32,1", "8,64,2"])
+def test_dense_fma_activation_rows_change_no_bit(m, tiles, device, monkeypatch):
+    """X_ROWS (the activation words loaded in the weight tile's layout, stop 40) where the tile's K step
+    spans >= 32 words per warp (``fma_x_rows``; the sm_90 one-token 8,256,8): the same bits as the
+    activation row broadcast over the tile's rows, with a bias, a masked K tail (K = 96: 24 words,
+    steps of 32 / 64) and rows past N masked; the launcher's rule picks it exactly there."""
+    x, q, s, b = _fma_case(m, 40, 96, True, seed=7 + m, device=device)
+    monkeypatch.setenv(D.DENSE_FMA_TILES_ENV, tiles)
+    t = D.dense_fma_tiles(x)
+    assert D.fma_x_rows(t, t.kw) and not D.fma_x_rows(D.DenseFmaTiles(16, 128, 8), 128)
+    assert not D.fma_x_rows(D.DenseFmaTiles(8, 256, 8), 128) and D.fma_x_rows(D.DenseFmaTiles(8, 256, 8), 256)
+    on = D.dense_fp8_linear(x, q, s, b, path="fma")
+    monkeypatch.setenv(D.DENSE_X_ROWS_ENV, "0")  # the A/B switch: the broadcast row as before
+    assert not D.fma_x_rows(t, t.kw)
+    off = D.dense_fp8_linear(x, q, s, b, path="fma")
+    assert torch.equal(on, off)
+    assert_close(on.float(), D.dense_fp8_linear_torch(x, q, s, b).float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.interpreter
 def test_dense_paths_and_selection(device, monkeypatch):
     x, q, s, b = _fma_case(4, 48, 96, True, seed=7, device=device)
     ref = D.dense_fp8_linear_torch(x, q, s, b)
@@ -217,10 +238,12 @@ def test_dense_fma_tiles_per_token_count_and_width(monkeypatch):
 
 
 @pytest.mark.aot
-def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_path):
+def test_dense_fma_ptx_keeps_denormals_and_no_barrier_in_the_k_loop(tmp_path):
     """sm_121a / sm_90a builds of the FMA kernel (AOT, no GPU): no .ftz anywhere (e4m3 denormal
-    codes are fp32 denormals after the bit-trick decode), no MMA, and bar.sync inside the K loop exactly
-    where the tile makes Triton broadcast activation words through shared memory."""
+    codes are fp32 denormals after the bit-trick decode), no MMA, and no bar.sync inside the K loop:
+    where the tile would make Triton broadcast activation words through shared memory (kw >= 32 *
+    warps, barriers in the loop until stop 40), the kernel loads them in the weight tile's layout
+    (X_ROWS)."""
     import os
     import subprocess
     import sys
@@ -237,7 +260,7 @@ def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_pat
         "            kv = 'kv write' in s.name  # its epilogue quantizes as the nvfp4 KV write kernel (.ftz there)\n"
         "            out[f'{arch}:{s.name}'] = dict(ftz='.ftz' in (loop if kv else p), bar=loop.count('bar.sync'),\n"
         "                mma=bool(re.search(r'\\b(mma|wgmma|ldmatrix|cp\\.async)', p)), ffma='fma.rn.f32' in p,\n"
-        "                broadcast=s.constexprs['BLOCK_KW'] >= 32 * s.num_warps)\n"
+        "                broadcast=s.constexprs['BLOCK_KW'] >= 32 * s.num_warps, x_rows=s.constexprs['X_ROWS'])\n"
         "print(json.dumps(out))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
@@ -246,12 +269,10 @@ def test_dense_fma_ptx_keeps_denormals_and_barriers_only_where_broadcast(tmp_pat
 
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(res) == 20  # qkv (plain, with the rotation, + the carried norm, + the nvfp4 KV write) and o, M = 1 and 4, both archs
+    assert any(r["broadcast"] for r in res.values())  # the sm_90 one-token tiles (8,256,8)
     for name, r in res.items():
-        # kw >= 32 * warps: Triton broadcasts the activation words through shared memory, with
-        # barriers in the loop (the sm_90 one-token tiles do: measured faster all the same)
-        broadcast = r.pop("broadcast")
-        assert (r.pop("bar") > 0) == broadcast, (name, broadcast)
-        assert r == dict(ftz=False, mma=False, ffma=True), (name, r)
+        assert r.pop("x_rows") == r.pop("broadcast"), name
+        assert r == dict(ftz=False, mma=False, ffma=True, bar=0), (name, r)
 
 
 def _gpt_oss_case(shape: str, m: int):

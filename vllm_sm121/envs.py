@@ -41,6 +41,7 @@ DECLARED: dict[str, tuple[str, str]] = {
     "VLLM_SM121_ATTN_SCALE_WORDS": ("kernels/paged_attention.py", "nvfp4 scales loaded as int32 words"),
     "VLLM_SM121_DENSE_FMA_MAX_M": ("kernels/dense.py", "largest M on the FP8 FMA GEMV"),
     "VLLM_SM121_DENSE_FMA_TILES": ("kernels/dense.py", "FP8 FMA GEMV tiles"),
+    "VLLM_SM121_DENSE_X_ROWS": ("kernels/dense.py", "FP8 FMA GEMV activations in the weight tile's layout (0: off)"),
     "VLLM_SM121_DENSE_MMAV_MAX_M": ("kernels/dense.py", "largest M on the FP8 MMA GEMV"),
     "VLLM_SM121_DENSE_MMAV_TILES": ("kernels/dense.py", "FP8 MMA GEMV tiles"),
     "VLLM_SM121_DENSE_W8A8_MIN_M": ("kernels/dense.py", "smallest M sent to vLLM's W8A8 GEMM"),

@@ -58,41 +58,51 @@ def _launch_metadata(grid, kernel, args):
 
 
 @triton.jit
-def _token_dot(w0, w1, w2, w3, x_row, offs_w, w_ok, BLOCK_R: tl.constexpr, BLOCK_KW: tl.constexpr):
+def _token_dot(w0, w1, w2, w3, x_row, offs_w, w_ok, BLOCK_R: tl.constexpr, BLOCK_KW: tl.constexpr,
+               X_ROWS: tl.constexpr = False):
     """One token's contribution of a decoded weight tile: [BLOCK_R, BLOCK_KW // 4] fp32 (units of
     2**(X_EXP - 120)). w0..w3: bytes 0..3 of the words [BLOCK_R, BLOCK_KW]; x_row: the token's
     activations as int64 words (4 bf16 each: the 4 activations of one weight word); offs_w: the
-    tile's word indices along K."""
+    tile's word indices along K ([BLOCK_KW], or with X_ROWS [BLOCK_R, BLOCK_KW] in the weight
+    tile's own layout: each thread loads the activations of its own weight words, so no layout
+    conversion through shared memory is needed; see ``_dense_fp8_fma_kernel``'s X_ROWS)."""
     xv = tl.load(x_row + offs_w, mask=w_ok, other=0)  # x[4c .. 4c + 3], lowest bits first
     x0 = (xv << 16).to(tl.int32).to(tl.float32, bitcast=True) * X_SCALE
     x1 = (xv.to(tl.int32) & BF16_HI_MASK).to(tl.float32, bitcast=True) * X_SCALE
     x2 = ((xv >> 16).to(tl.int32) & BF16_HI_MASK).to(tl.float32, bitcast=True) * X_SCALE
     x3 = ((xv >> 32).to(tl.int32) & BF16_HI_MASK).to(tl.float32, bitcast=True) * X_SCALE
-    s = w0 * x0[None, :]
-    s += w1 * x1[None, :]
-    s += w2 * x2[None, :]
-    s += w3 * x3[None, :]
+    if X_ROWS:
+        s = w0 * x0
+        s += w1 * x1
+        s += w2 * x2
+        s += w3 * x3
+    else:
+        s = w0 * x0[None, :]
+        s += w1 * x1[None, :]
+        s += w2 * x2[None, :]
+        s += w3 * x3[None, :]
     return tl.sum(tl.reshape(s, [BLOCK_R, BLOCK_KW // 4, 4]), axis=2)
 
 
 @triton.jit
 def _k_step(w, k0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW: tl.constexpr, NT: tl.constexpr,
-            BLOCK_R: tl.constexpr, BLOCK_KW: tl.constexpr):
+            BLOCK_R: tl.constexpr, BLOCK_KW: tl.constexpr, X_ROWS: tl.constexpr = False):
     """One K step: the loaded weight words ``w`` [BLOCK_R, BLOCK_KW] at word ``k0``, decoded once, times
-    each of the NT tokens' activations, into their accumulators."""
+    each of the NT tokens' activations, into their accumulators. ``offs_c``: [BLOCK_KW] word offsets,
+    or with X_ROWS the same broadcast to the tile's [BLOCK_R, BLOCK_KW]."""
     offs_w = k0 + offs_c
     w_ok = offs_w < KW
     w0 = e4m3_word_byte(w, 0)
     w1 = e4m3_word_byte(w, 1)
     w2 = e4m3_word_byte(w, 2)
     w3 = e4m3_word_byte(w, 3)
-    acc0 += _token_dot(w0, w1, w2, w3, x_ptr, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+    acc0 += _token_dot(w0, w1, w2, w3, x_ptr, offs_w, w_ok, BLOCK_R, BLOCK_KW, X_ROWS)
     if NT > 1:
-        acc1 += _token_dot(w0, w1, w2, w3, x_ptr + stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        acc1 += _token_dot(w0, w1, w2, w3, x_ptr + stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW, X_ROWS)
     if NT > 2:
-        acc2 += _token_dot(w0, w1, w2, w3, x_ptr + 2 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        acc2 += _token_dot(w0, w1, w2, w3, x_ptr + 2 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW, X_ROWS)
     if NT > 3:
-        acc3 += _token_dot(w0, w1, w2, w3, x_ptr + 3 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW)
+        acc3 += _token_dot(w0, w1, w2, w3, x_ptr + 3 * stride_xm, offs_w, w_ok, BLOCK_R, BLOCK_KW, X_ROWS)
     return acc0, acc1, acc2, acc3
 
 
@@ -256,6 +266,13 @@ def _dense_fp8_fma_kernel(
     NORM: tl.constexpr = False,
     NP_PAD: tl.constexpr = 1,  # next power of two >= K / 16
     COPY_BLOCK: tl.constexpr = 16,  # columns of s each of the first cdiv(K, COPY_BLOCK) programs copies
+    # The activation words loaded as a [BLOCK_R, BLOCK_KW] tile in the weight tile's layout (each thread
+    # the words its own weight words need) instead of one [BLOCK_KW] row broadcast over the rows. For
+    # tiles with at most one row per warp (BLOCK_R <= num_warps, the one-token 8,256,8): Triton 3.6
+    # otherwise loads the row one word per thread and converts it to the tile's layout through shared
+    # memory, 2 CTA barriers per activation vector and token in every K step (sm_90a SASS of
+    # 8,256,8: 8 BAR.SYNC per K step). Same loads per thread there; same values, same sums.
+    X_ROWS: tl.constexpr = False,
 ):
     KW: tl.constexpr = K // 4
     BLOCK_T: tl.constexpr = 1 if NT == 1 else (2 if NT == 2 else 4)
@@ -267,6 +284,10 @@ def _dense_fp8_fma_kernel(
     # Rows past N read row N-1 (never stored): the weight loads need no row mask.
     w_base = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * KW
     offs_c = tl.arange(0, BLOCK_KW)
+    if X_ROWS:
+        offs_x = offs_c[None, :] + tl.zeros([BLOCK_R, 1], dtype=tl.int32)
+    else:
+        offs_x = offs_c
     acc0 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
@@ -299,14 +320,14 @@ def _dense_fp8_fma_kernel(
         if NORM:
             ps0, ps1, ps2, ps3 = _norm_sums(ps_ptr, scale, K, NT, NP_PAD)
             res_cp = load_rows(s_src_ptr, NT, BLOCK_T, K, COPY_BLOCK)
-        acc0, acc1, acc2, acc3 = _k_step(w, 0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
-                                         BLOCK_KW)
+        acc0, acc1, acc2, acc3 = _k_step(w, 0, offs_x, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
+                                         BLOCK_KW, X_ROWS)
         k_start = BLOCK_KW
     for k0 in range(k_start, KW, BLOCK_KW):
         offs_w = k0 + offs_c
         w = tl.load(w_base + offs_w[None, :], mask=(offs_w < KW)[None, :], other=0)
-        acc0, acc1, acc2, acc3 = _k_step(w, k0, offs_c, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
-                                         BLOCK_KW)
+        acc0, acc1, acc2, acc3 = _k_step(w, k0, offs_x, x_ptr, stride_xm, acc0, acc1, acc2, acc3, KW, NT, BLOCK_R,
+                                         BLOCK_KW, X_ROWS)
     if NORM:
         s0, s1, s2, s3 = _norm_scales(ps0, ps1, ps2, ps3, norm_eps, scale, K, NT)
     _epilogue(acc0, s0, bias, out_ptr, 0, stride_om, rows, row_ok, HAS_BIAS, c0, sn0, ROPE, BLOCK_R)
