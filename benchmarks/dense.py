@@ -63,12 +63,13 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (5120, 2880, True), "o": (2880, 4096, True), "lm_head": (201088, 2880, False)}  # N, K, bias
 DRY_SHAPES = {"qkv": (80, 64, True), "o": (64, 64, True), "lm_head": (200, 64, False)}
-PROVIDERS = ("sm121", "sm121_fma", "sm121_mma", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8",
+PROVIDERS = ("sm121", "sm121_fma", "sm121_mma", "sm121_mmav", "cublas_bf16", "torch_scaled_mm", "vllm_cutlass_fp8",
              "vllm_fp8_marlin")
 SWEEP_MAX_REL_L2 = 1e-2  # a swept tile whose output is farther from its reference is a "mismatch"
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64)
 MIN_CALLS = 16
 FMA_MAX_M = 4  # kernels.dense.DENSE_FMA_KERNEL_MAX_M (not imported here: the module loads without vLLM)
+MMAV_MAX_M = 16  # kernels.dense.DENSE_MMAV_KERNEL_MAX_M (likewise)
 L2_MULTIPLE = 4
 NO_CUDA_MESSAGE = "benchmarks/dense.py needs a CUDA GPU (use --dry-run on the CPU)"
 
@@ -181,6 +182,9 @@ def make_provider(provider: str, wts: dict, copies: int):
     if provider == "sm121_mma":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="mma"),
                 deq8, "e4m3 W x bf16 A, Triton MMA kernel (kernels/dense.py, path=mma)")
+    if provider == "sm121_mmav":  # the tensor-core split-K GEMV, M <= 16 (kernels.dense.DENSE_MMAV_KERNEL_MAX_M)
+        return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="mmav"),
+                deq8, "e4m3 W x bf16 A (fp16 MMAs), Triton split-K tensor-core GEMV (kernels/dense.py, path=mmav)")
     if provider == "sm121_fma":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="fma"),
                 deq8, "e4m3 W x bf16 A, Triton CUDA-core GEMV (kernels/dense.py, path=fma)")
@@ -301,6 +305,9 @@ def run(args, device) -> tuple[list[dict], dict]:
             for m in args.m:
                 if p == "sm121_fma" and m > FMA_MAX_M:
                     records.append({**base, "m": m, "status": f"unavailable: path=fma takes M <= {FMA_MAX_M}"})
+                    continue
+                if p == "sm121_mmav" and m > MMAV_MAX_M:
+                    records.append({**base, "m": m, "status": f"unavailable: path=mmav takes M <= {MMAV_MAX_M}"})
                     continue
                 g = torch.Generator(device=device).manual_seed(1000 + m)
                 x = torch.randn(m, k, generator=g, device=device).bfloat16()

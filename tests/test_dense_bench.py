@@ -98,3 +98,11 @@ def test_dry_run(tmp_path):
     with pytest.raises(SystemExit):
         bench.parse_args(["--fma-tiles", "16,16"])
     assert "sm121 vs cuBLAS bf16" in proc.stdout
+
+
+def test_path_limits_follow_the_kernels():
+    """The benchmark's copies of the kernels' token limits (it loads without vLLM) stay in sync."""
+    from kernels import dense as D
+
+    assert (bench.FMA_MAX_M, bench.MMAV_MAX_M) == (D.DENSE_FMA_KERNEL_MAX_M, D.DENSE_MMAV_KERNEL_MAX_M)
+    assert "sm121_mmav" in bench.PROVIDERS
