@@ -314,9 +314,10 @@ def run(args, device) -> tuple[list[dict], dict]:
                 nbytes = bytes_moved(p, n, k, bias, m)
                 rec = {**base, "m": m, "bytes": nbytes, "weight_copies": copies, "info": info}
                 if p == "sm121":
+                    from vllm_sm121 import platform as sm121_platform
                     from vllm_sm121.kernels.dense import select_path
 
-                    rec["path"] = select_path(m, n)
+                    rec["path"] = select_path(m, n, sm121_platform.family_of(x))
                 try:
                     if cuda:
                         times, out = time_rotating_graph(lambda i: fn(x, i), copies, args.reps)  # noqa: B023

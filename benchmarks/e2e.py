@@ -260,10 +260,16 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe + the attention kernel prefetching o_proj's weight into L2", **OFF,
            env=(MOE_ON, ("VLLM_SM121_L2_PREFETCH", "o"))),
     # The tensor-core decode GEMV for the FP8 dense layers (kernels/dense_details/_dense_mmav.py) at
-    # M <= $E2E_MMAV_MAX_M (default 16) tokens, before the FMA GEMV
+    # M <= $E2E_MMAV_MAX_M (default 16) tokens, one token included (the FMA GEMV off)
     Config("sm121-all-moe-mmav", _all_on(),
-           "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at few tokens", **OFF,
-           env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")))),
+           "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at every M <= 16, the FMA GEMV off", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")),
+                ("VLLM_SM121_DENSE_FMA_MAX_M", "0"))),
+    # Stop 40's default on sm_90 (the tensor-core GEMV at 3-16 tokens, lm_head 2-16) off: the FMA GEMV up
+    # to 4 tokens and the MMA kernel above, as before
+    Config("sm121-all-moe-nommav", _all_on(),
+           "sm121-all-moe with the dense layers' 3-16-token batches on the FMA / MMA kernels (stop 39's paths)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", "0"), ("VLLM_SM121_DENSE_FMA_MAX_M", "4"))),
     # Every plugin kernel of the decode step launched as a programmatic dependent ($VLLM_SM121_PDL)
     Config("sm121-all-moe-steppdl", _all_on(),
            "sm121-all-moe + the decode step's plugin kernels launched with PDL (weights before the wait)", **OFF,

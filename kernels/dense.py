@@ -128,6 +128,9 @@ DENSE_FMA_KERNEL_MAX_M = 4
 DENSE_FMA_MAX_M = 4
 DENSE_FMA_WIDE_MAX_M = 1
 DENSE_FMA_MAX_M_ENV = "VLLM_SM121_DENSE_FMA_MAX_M"
+# Per-family overrides of DENSE_FMA_MAX_M (see DENSE_MMAV_MAX_M_FAMILY: on sm_90 the tensor-core GEMV
+# takes over from 3 tokens)
+DENSE_FMA_MAX_M_FAMILY = {_platform.SM90: 2}
 # Batches / prefill through vLLM's W8A8 FP8 GEMM ("w8a8": ``scaled_fp8_quant`` per token, then
 # ``cutlass_scaled_mm`` on the same e4m3 weights and per-channel scales). On an H100 at 8e7318f
 # (benchmarks/dense.py, provider vllm_cutlass_fp8, quantization included) it took 10.7-12.6 us
@@ -141,14 +144,22 @@ PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
 
 # Decode for up to DENSE_MMAV_KERNEL_MAX_M tokens on the tensor cores (``dense_details/_dense_mmav.py``:
 # cp.async-pipelined e4m3 weights, fp16 MMAs, split-K with an in-kernel ordered sum). path="auto"
-# takes it for M <= DENSE_MMAV_MAX_M (before the FMA path); $VLLM_SM121_DENSE_MMAV_MAX_M (read at
-# each call, as the FMA limit) overrides it. Off (0): slower than the FMA GEMV at one token on an
-# H100 (ffd86d2, benchmarks/gemv_tiles.py, docs/gemv-tiles-mmav-h100-ffd86d2.json, cold / hot µs):
-# qkv + rotation 10.47 / 8.49 (best of 11 tiles) vs 9.95 / 6.82, o 9.53 / 7.26 (best cold / hot of the
-# other tiles) vs 7.18 / 4.70,
-# lm_head 208.4 vs 207.0; not timed against the "mma" path at M = 5..16.
+# takes it for the token counts above the FMA limit up to DENSE_MMAV_MAX_M (per family:
+# DENSE_MMAV_MAX_M_FAMILY); $VLLM_SM121_DENSE_MMAV_MAX_M (read at each call, as the FMA limit)
+# overrides it for every family (0: off; with $VLLM_SM121_DENSE_FMA_MAX_M=0 it takes one token too).
+# At one token it is slower than the FMA GEMV (H100, ffd86d2, benchmarks/gemv_tiles.py,
+# docs/gemv-tiles-mmav-h100-ffd86d2.json, cold / hot µs: qkv + rotation 10.47 / 8.49 vs 9.95 / 6.82,
+# o 9.53 / 7.26 vs 7.18 / 4.70, lm_head 208.4 vs 207.0). From 4 tokens on it is the fastest of the
+# plugin's paths (H200, 0f8d996, benchmarks/dense.py, docs/dense-cmp-mmav-h200-0f8d996.json, µs at
+# M = 4 / 8 / 16): qkv 9.9 / 10.0 / 10.9 vs FMA 16.6 (M = 4) and MMA 19.7; o 9.5 / 9.6 / 10.8 vs 14.1 and
+# 17.9; lm_head 149.3 / 151.9 / 160.5 vs 191.8 / 192.9 / 197.4 (MMA); cuBLAS bf16 10.7-11.0 / 12.1-12.7
+# / 279-283. So sm_90 takes FMA for 1-2 tokens (lm_head: 1) and mmav for 3-16 (M = 3 and the FMA
+# GEMV at 2 tokens against mmav were not timed in one run: the FMA GEMV took qkv 10.0 / o 7.6 µs at
+# M = 2 with 8,256,8 in the stop-40 sweep). sm_12x keeps FMA up to 4 tokens and the MMA kernel above
+# (not measured on GB10).
 DENSE_MMAV_KERNEL_MAX_M = 16
 DENSE_MMAV_MAX_M = 0
+DENSE_MMAV_MAX_M_FAMILY = {_platform.SM90: 16}
 DENSE_MMAV_MAX_M_ENV = "VLLM_SM121_DENSE_MMAV_MAX_M"
 # The activations go to fp16 as x * 2**-DENSE_MMAV_X_SHIFT (|x| < 2**(16 + shift) stays finite).
 DENSE_MMAV_X_SHIFT = 8
@@ -247,7 +258,8 @@ class DenseFmaTiles:
 # per program in flight); qkv (N = 5120) is 320 programs, o (N = 2880) 180, lm_head 12568.
 # Pitfall (sm_121a / sm_90a PTX, triton 3.6): with kw >= 32 * warps Triton loads the activation
 # words one per thread and broadcasts them through shared memory, 2 bar.sync per token per step
-# (16,128,4 does; 16,128,8 / 16,64,4 / 32,64,4 do not). sm_12x: the sm_90 values. The
+# (16,128,4 does; 16,128,8 / 16,64,4 / 32,64,4 do not); since stop 40 the kernel loads them in the
+# weight tile's layout there instead (``fma_x_rows``). sm_12x: the sm_90 values. The
 # interpreter gets small tiles (K = 96: one full step and a masked tail).
 DENSE_FMA_TILES: dict[str, DenseFmaTiles] = {
     _platform.SM90: DenseFmaTiles(16, 128, 8),
@@ -261,26 +273,31 @@ DENSE_FMA_TILES_ENV = "VLLM_SM121_DENSE_FMA_TILES"
 #   o   (N 2880, K 4096)  8,256,8  6.4 (44%)             vs 16,128,8  8.1
 #   lm_head (N 201088)   32,128,8 146.2 (95%)            vs 16,128,8 156.2
 # 8,256,8 is the Pitfall's case above (activation words broadcast through shared memory, barriers
-# in the loop): faster all the same at one token. With 2+ tokens the family tile stays (8,256,8
+# in the loop until stop 40, ``fma_x_rows``): faster all the same at one token. With 2+ tokens the family tile stayed (8,256,8
 # was slower there: qkv 11.3 / 20.1 vs 10.9 / 16.5 us at M = 2 / 4). sm_12x: not measured, the
 # family tile.
 DENSE_FMA_TILES_M1: dict[tuple[str, bool], DenseFmaTiles] = {
     (_platform.SM90, False): DenseFmaTiles(8, 256, 8),
     (_platform.SM90, True): DenseFmaTiles(32, 128, 8),
 }
+# Two tokens on sm_90 (stop 40, H200, 9584daa, benchmarks/dense.py --fma-tiles with the activation
+# words in the weight tile's layout, docs/dense-xrows-h200-9584daa.json, µs at M = 2): 8,256,8 qkv 10.0 /
+# o 7.6 vs the family tile 16,128,8 10.3 / 9.3. (From 3 tokens sm_90 takes the tensor-core GEMV.)
+DENSE_FMA_TILES_M2: dict[tuple[str, bool], DenseFmaTiles] = {
+    (_platform.SM90, False): DenseFmaTiles(8, 256, 8),
+}
 
 
-def dense_fma_tiles(t: torch.Tensor, m: int = 2, n: int = 0) -> DenseFmaTiles:
+def dense_fma_tiles(t: torch.Tensor, m: int = 4, n: int = 0) -> DenseFmaTiles:
     """The FMA kernel's tiles on ``t``'s device for M tokens and N outputs: $VLLM_SM121_DENSE_FMA_TILES
-    if set, else DENSE_FMA_TILES_M1[(family, N >= WIDE_N)] at M = 1 where the family has one, else
-    DENSE_FMA_TILES[family]."""
+    if set, else DENSE_FMA_TILES_M1 / _M2[(family, N >= WIDE_N)] at M = 1 / 2 where the family has one,
+    else DENSE_FMA_TILES[family]."""
     env = os.environ.get(DENSE_FMA_TILES_ENV, "").strip()
     if env:
         return DenseFmaTiles.parse(env)
     family = _platform.family_of(t)
-    if m == 1 and (family, n >= WIDE_N) in DENSE_FMA_TILES_M1:
-        return DENSE_FMA_TILES_M1[(family, n >= WIDE_N)]
-    return DENSE_FMA_TILES[family]
+    few = {1: DENSE_FMA_TILES_M1, 2: DENSE_FMA_TILES_M2}.get(m, {})
+    return few.get((family, n >= WIDE_N), DENSE_FMA_TILES[family])
 
 
 # $VLLM_SM121_DENSE_X_ROWS=0 turns fma_x_rows off (read at call time; for A/B runs: the old loads)
@@ -295,19 +312,23 @@ def fma_x_rows(tiles: DenseFmaTiles, kw: int) -> bool:
     return kw >= 32 * tiles.num_warps and V.env_int(DENSE_X_ROWS_ENV, 1) != 0
 
 
-def select_path(m: int, n: int = 0) -> str:
-    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels: "fma",
-    "w8a8" or "mma" (from the shape alone: a captured CUDA graph replays the same kernel).
+def select_path(m: int, n: int = 0, family: str = _platform.INTERPRETER) -> str:
+    """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels on a
+    device of ``family``: "fma", "mmav", "w8a8" or "mma" (from the shapes and the device alone: a
+    captured CUDA graph replays the same kernel).
 
-    $VLLM_SM121_DENSE_FMA_MAX_M, when set, is the FMA limit for every N;
-    $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off) sends M >= that to vLLM's W8A8 GEMM.
+    FMA up to the family's FMA limit (N >= WIDE_N: DENSE_FMA_WIDE_MAX_M), then the tensor-core
+    GEMV up to the family's mmav limit, then vLLM's W8A8 GEMM from $VLLM_SM121_DENSE_W8A8_MIN_M
+    (default 0: off), else the MMA kernel. $VLLM_SM121_DENSE_FMA_MAX_M / _MMAV_MAX_M, when set, are
+    the limits for every N and family.
     """
-    mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, DENSE_MMAV_MAX_M)
-    if 1 <= m <= min(mmav_max, DENSE_MMAV_KERNEL_MAX_M):
-        return "mmav"
-    fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N else DENSE_FMA_MAX_M)
+    fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N
+                        else DENSE_FMA_MAX_M_FAMILY.get(family, DENSE_FMA_MAX_M))
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
+    mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, DENSE_MMAV_MAX_M_FAMILY.get(family, DENSE_MMAV_MAX_M))
+    if 1 <= m <= min(mmav_max, DENSE_MMAV_KERNEL_MAX_M):
+        return "mmav"
     w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
     return "w8a8" if 0 < w8a8_min <= m else "mma"
 
@@ -486,7 +507,7 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return out
     if path == "auto":
-        path = select_path(m, n)
+        path = select_path(m, n, _platform.family_of(x))
         if path == "w8a8" and out_dtype == torch.float32:
             path = "mma"
     if path == "fma":
@@ -620,7 +641,7 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if kv_write is not None:
         _check_kv_write(kv_write, m, n, rope_rows, head_size, x.device)
     if path == "auto":
-        path = select_path(m, n)
+        path = select_path(m, n, _platform.family_of(x))
     if (path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and kv_write is None
             and _rope_tiles_fit(dense_mmav_tiles(x), rope_rows, head_size)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
@@ -663,7 +684,7 @@ def dense_fp8_linear_rope_norm(bufs: NextNormBuffers, m: int, norm_weight: torch
     res = torch.empty(m, h, dtype=torch.bfloat16, device=bufs.s.device)
     u = bufs.u[:m]
     if path == "auto":
-        path = select_path(m, w.shape[0])
+        path = select_path(m, w.shape[0], _platform.family_of(u))
     if path == "fma" and _rope_tiles_fit(dense_fma_tiles(u, m, w.shape[0]), rope_rows, head_size):
         out = dense_fp8_linear_rope(u, w, scale, bias, positions, cos_sin_cache, rope_rows, head_size, path="fma",
                                     norm=(bufs, eps, res))

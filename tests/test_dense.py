@@ -171,12 +171,20 @@ def test_dense_paths_and_selection(device, monkeypatch):
     for path in ("auto", "fma", "mma"):
         assert_close(D.dense_fp8_linear(x, q, s, b, path=path), ref, atol=2e-2, rtol=1e-2, what=path)
     monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV, raising=False)
+    monkeypatch.delenv(D.DENSE_MMAV_MAX_M_ENV, raising=False)
     assert [D.select_path(m, 5120) for m in (0, 1, 4, 5, 16)] == ["mma", "fma", "fma", "mma", "mma"]
+    # sm_90 (stop 40, H200): FMA for 1-2 tokens (lm_head 1), the tensor-core GEMV for 3-16, MMA above;
+    # sm_12x keeps FMA up to 4 and MMA above (not measured on GB10)
+    sm90, sm12x = D._platform.SM90, D._platform.SM12X
+    assert [D.select_path(m, 5120, sm90) for m in (0, 1, 2, 3, 16, 17)] == ["mma", "fma", "fma", "mmav", "mmav", "mma"]
+    assert [D.select_path(m, D.WIDE_N, sm90) for m in (1, 2, 16, 17)] == ["fma", "mmav", "mmav", "mma"]
+    assert [D.select_path(m, 5120, sm12x) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
     wide = D.WIDE_N  # lm_head: FMA only up to DENSE_FMA_WIDE_MAX_M tokens (timed on H100)
     assert [D.select_path(m, wide) for m in (1, 2)] == ["fma", "mma"]
     assert D.select_path(2, wide - 1) == "fma"
-    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "4")  # the environment sets the limit for every N
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "4")  # the environment sets the limit for every N and family
     assert [D.select_path(m, wide) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
+    assert [D.select_path(m, 5120, sm90) for m in (4, 5)] == ["fma", "mmav"]
     monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "0")
     assert D.select_path(1) == "mma"
     monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV)
@@ -221,8 +229,8 @@ def test_dense_fma_strided_tiles_env_and_fp32_bias(device, monkeypatch):
 
 
 def test_dense_fma_tiles_per_token_count_and_width(monkeypatch):
-    """One token on sm_90 takes the swept one-token tiles (lm_head's own); 2+ tokens, other families
-    and the environment override take theirs."""
+    """One and two tokens on sm_90 take the swept tiles (one-token lm_head its own); more tokens,
+    other families and the environment override take theirs."""
     cpu = torch.empty(0)
     monkeypatch.delenv(D.DENSE_FMA_TILES_ENV, raising=False)
     assert D.dense_fma_tiles(cpu, 1, 5120) == D.DENSE_FMA_TILES["interpreter"]  # no one-token entry
@@ -230,7 +238,9 @@ def test_dense_fma_tiles_per_token_count_and_width(monkeypatch):
         mp.setattr(D._platform, "family_of", lambda t: D._platform.SM90)
         assert D.dense_fma_tiles(cpu, 1, 5120) == D.DenseFmaTiles(8, 256, 8)
         assert D.dense_fma_tiles(cpu, 1, 201088) == D.DenseFmaTiles(32, 128, 8)
-        assert D.dense_fma_tiles(cpu, 2, 5120) == D.dense_fma_tiles(cpu) == D.DENSE_FMA_TILES[D._platform.SM90]
+        assert D.dense_fma_tiles(cpu, 2, 5120) == D.DenseFmaTiles(8, 256, 8)  # stop 40: two tokens too
+        assert D.dense_fma_tiles(cpu, 3, 5120) == D.dense_fma_tiles(cpu) == D.DENSE_FMA_TILES[D._platform.SM90]
+        assert D.dense_fma_tiles(cpu, 2, 201088) == D.DENSE_FMA_TILES[D._platform.SM90]
         mp.setattr(D._platform, "family_of", lambda t: D._platform.SM12X)
         assert D.dense_fma_tiles(cpu, 1, 5120) == D.DENSE_FMA_TILES[D._platform.SM12X]
         mp.setenv(D.DENSE_FMA_TILES_ENV, "32,4,2")

@@ -51,11 +51,15 @@ def test_dense_mmav_matches_reference(tiles, m, n, k, bias, device, monkeypatch)
 
 @pytest.mark.interpreter
 def test_dense_mmav_selection_tiles_and_errors(device, monkeypatch):
-    assert D.select_path(1, 5120) == ("mmav" if D.DENSE_MMAV_MAX_M >= 1 else "fma")
-    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "8")
-    assert [D.select_path(m, 5120) for m in (1, 4, 8, 9)] == ["mmav", "mmav", "mmav", "mma"]
-    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "0")
-    assert [D.select_path(m, 5120) for m in (1, 5)] == ["fma", "mma"]
+    monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV, raising=False)
+    assert D.select_path(1, 5120) == "fma" and D.select_path(3, 5120, D._platform.SM90) == "mmav"
+    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "8")  # the tokens above the FMA limit, up to 8
+    assert [D.select_path(m, 5120) for m in (1, 4, 5, 8, 9)] == ["fma", "fma", "mmav", "mmav", "mma"]
+    monkeypatch.setenv(D.DENSE_FMA_MAX_M_ENV, "0")  # one token too once the FMA path is off
+    assert [D.select_path(m, 5120) for m in (1, 8, 9)] == ["mmav", "mmav", "mma"]
+    monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV)
+    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "0")  # off for every family
+    assert [D.select_path(m, 5120, D._platform.SM90) for m in (1, 2, 3, 5)] == ["fma", "fma", "mma", "mma"]
     x, q, s, b = _case(17, 16, 32, True, 1, device)
     with pytest.raises(ValueError, match="path='mmav' takes at most 16"):
         D.dense_fp8_linear(x, q, s, b, path="mmav")
