@@ -69,7 +69,7 @@ SWEEP_MAX_REL_L2 = 1e-2  # a swept tile whose output is farther from its referen
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64)
 MIN_CALLS = 16
 FMA_MAX_M = 4  # kernels.dense.DENSE_FMA_KERNEL_MAX_M (not imported here: the module loads without vLLM)
-MMAV_MAX_M = 16  # kernels.dense.DENSE_MMAV_KERNEL_MAX_M (likewise)
+MMAV_MAX_M = 32  # kernels.dense.DENSE_MMAV_KERNEL_MAX_M (likewise)
 L2_MULTIPLE = 4
 NO_CUDA_MESSAGE = "benchmarks/dense.py needs a CUDA GPU (use --dry-run on the CPU)"
 
@@ -182,7 +182,7 @@ def make_provider(provider: str, wts: dict, copies: int):
     if provider == "sm121_mma":
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="mma"),
                 deq8, "e4m3 W x bf16 A, Triton MMA kernel (kernels/dense.py, path=mma)")
-    if provider == "sm121_mmav":  # the tensor-core split-K GEMV, M <= 16 (kernels.dense.DENSE_MMAV_KERNEL_MAX_M)
+    if provider == "sm121_mmav":  # the tensor-core split-K GEMV, M <= 32 (kernels.dense.DENSE_MMAV_KERNEL_MAX_M)
         return (lambda x, i: dense_fp8_linear(x, sets[i]["codes"], sets[i]["scale"], sets[i]["bias"], path="mmav"),
                 deq8, "e4m3 W x bf16 A (fp16 MMAs), Triton split-K tensor-core GEMV (kernels/dense.py, path=mmav)")
     if provider == "sm121_fma":

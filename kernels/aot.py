@@ -442,6 +442,10 @@ def dense_specs(family: str) -> list[Spec]:
                                           HAS_BIAS=bias, X_SHIFT=D.DENSE_MMAV_X_SHIFT, DOT_FP32=False, **rope),
                           ptr_types=dict(mmav_ptrs, pos_ptr="*i64") if rope else mmav_ptrs,
                           num_warps=mmav.num_warps, num_stages=mmav.num_stages))
+        if what != "lm_head":  # 17-32 tokens: the 32-wide token tile (stop 40)
+            specs.append(dataclasses.replace(specs[-1], name=specs[-1].name[:-1] + ", 32 tokens]",
+                                             constexprs=dict(specs[-1].constexprs, BLOCK_T=32),
+                                             num_warps=D.mmav_num_warps(mmav, 32)))
     return specs
 
 

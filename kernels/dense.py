@@ -157,7 +157,10 @@ PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
 # GEMV at 2 tokens against mmav were not timed in one run: the FMA GEMV took qkv 10.0 / o 7.6 µs at
 # M = 2 with 8,256,8 in the stop-40 sweep). sm_12x keeps FMA up to 4 tokens and the MMA kernel above
 # (not measured on GB10).
-DENSE_MMAV_KERNEL_MAX_M = 16
+# The kernel takes up to 32 tokens (a 32-wide token tile above 16: stop 40, interpreter- and
+# AOT-tested, not timed: the sm_90 default stops at the timed 16; $VLLM_SM121_DENSE_MMAV_MAX_M=32
+# for A/B runs).
+DENSE_MMAV_KERNEL_MAX_M = 32
 DENSE_MMAV_MAX_M = 0
 DENSE_MMAV_MAX_M_FAMILY = {_platform.SM90: 16}
 DENSE_MMAV_MAX_M_ENV = "VLLM_SM121_DENSE_MMAV_MAX_M"
@@ -576,6 +579,18 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None, norm=None) -> torch.T
     return out
 
 
+def mmav_block_t(m: int) -> int:
+    """The tensor-core GEMV's token tile for M tokens: 16 (tl.dot's smallest N) up to 16, else 32."""
+    return 16 if m <= 16 else 32
+
+
+def mmav_num_warps(tiles: DenseMmavTiles, block_t: int) -> int:
+    """Warps of a tensor-core GEMV launch: the tiles' own, at least 4 with the 32-wide token tile (sm_90a
+    SASS of the one-warp 64-row tiles with 32 tokens: 282 spill instructions in qkv's build, none with 4
+    warps)."""
+    return tiles.num_warps if block_t <= 16 else max(tiles.num_warps, 4)
+
+
 def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
@@ -596,8 +611,8 @@ def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
     _dense_fp8_mmav_kernel[(n_tiles, split)](
         x, w.view(torch.uint8), scale, bias if bias is not None else scale, out, part, cnt, m, n, x.stride(0),
         out.stride(0), K=k, BLOCK_N=tiles.rows, BLOCK_K=min(tiles.kb, V._next_pow2(k)), SPLIT=split,
-        HAS_BIAS=bias is not None, X_SHIFT=DENSE_MMAV_X_SHIFT, DOT_FP32=not gpu, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **extra)
+        HAS_BIAS=bias is not None, X_SHIFT=DENSE_MMAV_X_SHIFT, DOT_FP32=not gpu, BLOCK_T=mmav_block_t(m),
+        num_warps=mmav_num_warps(tiles, mmav_block_t(m)), num_stages=tiles.num_stages, **extra)
     return out
 
 

@@ -35,8 +35,10 @@ def _check(out, x, q, s, b):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("tiles", ["16,32,1,1,1", "16,32,3,1,1", "32,16,0,1,1", "16,64,2,2,1"])
-@pytest.mark.parametrize("m,n,k,bias", [(1, 40, 96, True), (3, 33, 80, False), (16, 48, 64, True)])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 40, 96, True), (3, 33, 80, False), (16, 48, 64, True),
+                                         (17, 40, 96, True), (32, 33, 80, False)])
 def test_dense_mmav_matches_reference(tiles, m, n, k, bias, device, monkeypatch):
+    """Against the reference, 1-16 tokens in a 16-wide token tile, 17-32 in a 32-wide one (stop 40)."""
     monkeypatch.setenv(D.DENSE_MMAV_TILES_ENV, tiles)
     x, q, s, b = _case(m, n, k, bias, seed=m * 100 + n + k, device=device)
     out = D.dense_fp8_linear(x, q, s, b, path="mmav")
@@ -60,8 +62,13 @@ def test_dense_mmav_selection_tiles_and_errors(device, monkeypatch):
     monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV)
     monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "0")  # off for every family
     assert [D.select_path(m, 5120, D._platform.SM90) for m in (1, 2, 3, 5)] == ["fma", "fma", "mma", "mma"]
-    x, q, s, b = _case(17, 16, 32, True, 1, device)
-    with pytest.raises(ValueError, match="path='mmav' takes at most 16"):
+    assert [D.mmav_block_t(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "32")  # the 32-wide tile: an A/B switch, not a default
+    assert [D.select_path(m, 5120, D._platform.SM90) for m in (2, 17, 32, 33)] == ["fma", "mmav", "mmav", "mma"]
+    monkeypatch.delenv(D.DENSE_MMAV_MAX_M_ENV)
+    assert D.select_path(17, 5120, D._platform.SM90) == "mma"
+    x, q, s, b = _case(33, 16, 32, True, 1, device)
+    with pytest.raises(ValueError, match="path='mmav' takes at most 32"):
         D.dense_fp8_linear(x, q, s, b, path="mmav")
     for bad in ("8,32,1,1,1", "16,32,1,3,1", "16,32,1,1", "16,24,1,1,1", "a,b,c,d,e"):
         monkeypatch.setenv(D.DENSE_MMAV_TILES_ENV, bad)
@@ -74,7 +81,7 @@ def test_dense_mmav_selection_tiles_and_errors(device, monkeypatch):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 20])
 def test_rope_in_the_mmav_epilogue_matches_linear_then_rotation(m, device, monkeypatch):
     """gpt-oss's NeoX rotation fused into the mmav epilogue (split-K on) against the unrotated mmav
     projection rotated by ``rope_neox_``: at most one bf16 step apart, v rows untouched."""
@@ -107,7 +114,7 @@ def _gpt_oss(shape, m, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["qkv", "o", "lm_head"])
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 32])
 def test_dense_mmav_gpt_oss_120b_shapes(shape, m):
     """mmav at gpt-oss-120b shapes and the default tiles (auto split) against the fp32 reference,
     element by element, and against the FMA GEMV; in a CUDA graph replay too."""
@@ -132,7 +139,7 @@ def test_dense_mmav_tiles_on_gpu(tiles, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 32])
 def test_rope_in_the_mmav_epilogue_gpt_oss_120b_qkv(m, monkeypatch):
     g = torch.Generator().manual_seed(11 + m)
     x, q, s, b = _gpt_oss("qkv", m, seed=11 + m)

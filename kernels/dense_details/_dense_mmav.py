@@ -1,4 +1,4 @@
-"""Triton code for the tensor-core decode GEMV of the FP8-weight dense linear, M <= 16 tokens
+"""Triton code for the tensor-core decode GEMV of the FP8-weight dense linear, M <= 32 tokens
 (launcher and reference: ``kernels/dense.py``: ``dense_fp8_linear(path="mmav")``).
 
 ``_dense_fp8_mmav_kernel``: out[M, N] = x[M, K] @ (W_e4m3[N, K] * scale[N, None])^T (+ bias[N]),
@@ -12,7 +12,8 @@ pipeline (``num_stages`` steps in flight, no registers held), come back through 
 widened by ``cvt.rn.f16x2.e4m3x2`` (exact: every e4m3 value is an fp16) and multiplied on the
 tensor cores, ``mma.sync m16n8k16`` fp16 x fp16 -> fp32 (sm_121a and sm_90a alike when the
 program's tile is under a warpgroup; a wider sm_90a tile may become ``wgmma``). The token tile is
-16 wide (tl.dot's smallest N): tokens past M are zeros and cost only tensor-core issue slots.
+BLOCK_T = 16 wide (tl.dot's smallest N) up to 16 tokens, 32 above (stop 40): tokens past M are
+zeros and cost only tensor-core issue slots.
 
 * Activations: bf16 -> fp16 after a 2**-X_SHIFT pre-scale (exact apart from the fp16 range:
   |x| < 2**(16 + X_SHIFT) stays finite; below 2**(X_SHIFT - 14) the fp16 is a denormal and keeps
@@ -36,7 +37,6 @@ from .._sync import last_to_arrive
 from ..kv_cache_details._codecs import store_rounded, to_bf16_rne
 from ._dense_fma import _rope_rows, _swap_halves
 
-BLOCK_T = tl.constexpr(16)  # the token tile: tl.dot's smallest N
 
 
 def _launch_metadata(grid, kernel, args):
@@ -48,7 +48,7 @@ def _launch_metadata(grid, kernel, args):
 @triton.jit
 def _mmav_epilogue(acc, rows, row_ok, toks, tok_ok, scale_ptr, bias_ptr, out_ptr, stride_om, pos_ptr, cs_ptr, stride_cs,
                    rot_j, rot_sign, X_SHIFT: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE: tl.constexpr,
-                   HEAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """acc [BLOCK_N, BLOCK_T] fp32 (rows x tokens) -> bf16 out[toks, rows]."""
     y = acc * (2.0 ** X_SHIFT) * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if HAS_BIAS:
@@ -92,6 +92,7 @@ def _dense_fp8_mmav_kernel(
     ROPE: tl.constexpr = False,
     ROPE_ROWS: tl.constexpr = 0,  # multiple of HEAD and BLOCK_N; HEAD / 2 a multiple of BLOCK_N / 2
     HEAD: tl.constexpr = 64,
+    BLOCK_T: tl.constexpr = 16,  # the token tile (the MMA's N): 16 (tl.dot's smallest) or 32, >= M
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -125,7 +126,7 @@ def _dense_fp8_mmav_kernel(
             acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
     if SPLIT == 1:
         _mmav_epilogue(acc, rows, row_ok, toks, tok_ok, scale_ptr, bias_ptr, out_ptr, stride_om, pos_ptr, cs_ptr,
-                       stride_cs, rot_j, rot_sign, X_SHIFT, HAS_BIAS, ROPE, HEAD, BLOCK_N)
+                       stride_cs, rot_j, rot_sign, X_SHIFT, HAS_BIAS, ROPE, HEAD, BLOCK_N, BLOCK_T)
     else:
         mask = row_ok[:, None] & tok_ok[None, :]
         part = part_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
@@ -135,4 +136,4 @@ def _dense_fp8_mmav_kernel(
             for s in tl.static_range(1, SPLIT):  # in split order: the sum does not depend on arrival
                 acc += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             _mmav_epilogue(acc, rows, row_ok, toks, tok_ok, scale_ptr, bias_ptr, out_ptr, stride_om, pos_ptr, cs_ptr,
-                           stride_cs, rot_j, rot_sign, X_SHIFT, HAS_BIAS, ROPE, HEAD, BLOCK_N)
+                           stride_cs, rot_j, rot_sign, X_SHIFT, HAS_BIAS, ROPE, HEAD, BLOCK_N, BLOCK_T)
