@@ -320,20 +320,22 @@ def select_path(m: int, n: int = 0, family: str = _platform.INTERPRETER) -> str:
     device of ``family``: "fma", "mmav", "w8a8" or "mma" (from the shapes and the device alone: a
     captured CUDA graph replays the same kernel).
 
-    FMA up to the family's FMA limit (N >= WIDE_N: DENSE_FMA_WIDE_MAX_M), then the tensor-core
-    GEMV up to the family's mmav limit, then vLLM's W8A8 GEMM from $VLLM_SM121_DENSE_W8A8_MIN_M
-    (default 0: off), else the MMA kernel. $VLLM_SM121_DENSE_FMA_MAX_M / _MMAV_MAX_M, when set, are
+    FMA up to the family's FMA limit (N >= WIDE_N: DENSE_FMA_WIDE_MAX_M), then vLLM's W8A8 GEMM
+    from $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off), then the tensor-core GEMV up to the
+    family's mmav limit, else the MMA kernel. $VLLM_SM121_DENSE_FMA_MAX_M / _MMAV_MAX_M, when set, are
     the limits for every N and family.
     """
     fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N
                         else DENSE_FMA_MAX_M_FAMILY.get(family, DENSE_FMA_MAX_M))
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
+    w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
+    if 0 < w8a8_min <= m:  # an explicit opt-in wins over the mmav default
+        return "w8a8"
     mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, DENSE_MMAV_MAX_M_FAMILY.get(family, DENSE_MMAV_MAX_M))
     if 1 <= m <= min(mmav_max, DENSE_MMAV_KERNEL_MAX_M):
         return "mmav"
-    w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
-    return "w8a8" if 0 < w8a8_min <= m else "mma"
+    return "mma"
 
 
 def w8a8_unsupported_reason(x: torch.Tensor, n: int, k: int) -> str | None:

@@ -191,6 +191,7 @@ def test_dense_paths_and_selection(device, monkeypatch):
     assert D.DENSE_W8A8_MIN_M == 0 and D.select_path(64) == "mma"  # vLLM's W8A8 GEMM: opt-in
     monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "8")
     assert [D.select_path(m, 5120) for m in (1, 4, 5, 7, 8, 2048)] == ["fma", "fma", "mma", "mma", "w8a8", "w8a8"]
+    assert [D.select_path(m, 5120, sm90) for m in (2, 3, 7, 8)] == ["fma", "mmav", "mmav", "w8a8"]  # opt-in wins
     monkeypatch.setenv(D.DENSE_W8A8_MIN_M_ENV, "eight")
     with pytest.raises(ValueError, match="VLLM_SM121_DENSE_W8A8_MIN_M='eight': expected an integer"):
         D.select_path(8)
