@@ -265,11 +265,12 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at every M <= 16, the FMA GEMV off", **OFF,
            env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")),
                 ("VLLM_SM121_DENSE_FMA_MAX_M", "0"))),
-    # Stop 40's default on sm_90 (the tensor-core GEMV at 3-16 tokens, lm_head 2-16) off: the FMA GEMV up
-    # to 4 tokens and the MMA kernel above, as before
+    # Stop 40's default on sm_90 (the tensor-core GEMV at 3-16 tokens, lm_head 2-16) off: the FMA GEMV for
+    # 1-2 tokens (lm_head 1) as in the default, the MMA kernel above (stop 39 had FMA up to 4 on qkv / o:
+    # one environment limit cannot give both, and the A/B here is the tensor-core GEMV's)
     Config("sm121-all-moe-nommav", _all_on(),
-           "sm121-all-moe with the dense layers' 3-16-token batches on the FMA / MMA kernels (stop 39's paths)", **OFF,
-           env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", "0"), ("VLLM_SM121_DENSE_FMA_MAX_M", "4"))),
+           "sm121-all-moe with the dense layers' 3-16-token batches on the MMA kernel instead of the tensor-core GEMV",
+           **OFF, env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", "0"))),
     # Every plugin kernel of the decode step launched as a programmatic dependent ($VLLM_SM121_PDL)
     Config("sm121-all-moe-steppdl", _all_on(),
            "sm121-all-moe + the decode step's plugin kernels launched with PDL (weights before the wait)", **OFF,
@@ -797,7 +798,9 @@ def randomize_routers(model, seed: int, std: float = ROUTER_STD) -> int:
             n += 1
         if not n:
             raise RuntimeError("--random-router: the model has no '*.mlp.router' linear (gpt-oss MoE layers expected)")
-        for name, p in model.named_parameters():
+        # parameters and buffers (the TP-invariant mode keeps its simulated ranks' expert biases in
+        # buffers named sm121_sim{r}_w13_bias / _w2_bias)
+        for name, p in (*model.named_parameters(), *model.named_buffers()):
             if name.endswith(TOKEN_INDEPENDENT_BIASES) and p.is_floating_point():
                 p.zero_()
     return n

@@ -315,7 +315,7 @@ def fma_x_rows(tiles: DenseFmaTiles, kw: int) -> bool:
     return kw >= 32 * tiles.num_warps and V.env_int(DENSE_X_ROWS_ENV, 1) != 0
 
 
-def select_path(m: int, n: int = 0, family: str = _platform.INTERPRETER) -> str:
+def select_path(m: int, n: int = 0, family: str = _platform.INTERPRETER, *, w8a8: bool = True) -> str:
     """The path ``dense_fp8_linear(path="auto")`` takes for M tokens and N output channels on a
     device of ``family``: "fma", "mmav", "w8a8" or "mma" (from the shapes and the device alone: a
     captured CUDA graph replays the same kernel).
@@ -323,13 +323,13 @@ def select_path(m: int, n: int = 0, family: str = _platform.INTERPRETER) -> str:
     FMA up to the family's FMA limit (N >= WIDE_N: DENSE_FMA_WIDE_MAX_M), then vLLM's W8A8 GEMM
     from $VLLM_SM121_DENSE_W8A8_MIN_M (default 0: off), then the tensor-core GEMV up to the
     family's mmav limit, else the MMA kernel. $VLLM_SM121_DENSE_FMA_MAX_M / _MMAV_MAX_M, when set, are
-    the limits for every N and family.
+    the limits for every N and family. ``w8a8=False``: the path without the W8A8 opt-in (fp32 outputs).
     """
     fma_max = V.env_int(DENSE_FMA_MAX_M_ENV, DENSE_FMA_WIDE_MAX_M if n >= WIDE_N
                         else DENSE_FMA_MAX_M_FAMILY.get(family, DENSE_FMA_MAX_M))
     if 1 <= m <= min(fma_max, DENSE_FMA_KERNEL_MAX_M):
         return "fma"
-    w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M)
+    w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M) if w8a8 else 0
     if 0 < w8a8_min <= m:  # an explicit opt-in wins over the mmav default
         return "w8a8"
     mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, DENSE_MMAV_MAX_M_FAMILY.get(family, DENSE_MMAV_MAX_M))
@@ -513,8 +513,8 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         return out
     if path == "auto":
         path = select_path(m, n, _platform.family_of(x))
-        if path == "w8a8" and out_dtype == torch.float32:
-            path = "mma"
+        if path == "w8a8" and out_dtype == torch.float32:  # W8A8 writes bf16 only: the path without it
+            path = select_path(m, n, _platform.family_of(x), w8a8=False)
     if path == "fma":
         return _dense_fma(x, w, scale, bias, out)
     if path == "mmav":
@@ -659,12 +659,18 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         _check_kv_write(kv_write, m, n, rope_rows, head_size, x.device)
     if path == "auto":
         path = select_path(m, n, _platform.family_of(x))
-    if (path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and kv_write is None
+    if (path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and norm is None
             and _rope_tiles_fit(dense_mmav_tiles(x), rope_rows, head_size)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         if m == 0:
             return out
-        return _dense_mmav(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
+        out = _dense_mmav(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
+        if kv_write is not None:  # the rotated k / v heads to the cache: one write launch after the GEMV
+            from .fp4_kv import fp4_kv_write
+
+            kp, vp, slots = kv_write
+            fp4_kv_write(*qkv_kv_heads(out, rope_rows, kp.shape[1], head_size), kp, vp, slots[:m])
+        return out
     if path == "fma" and m <= DENSE_FMA_KERNEL_MAX_M and _rope_tiles_fit(dense_fma_tiles(x, m, n), rope_rows,
                                                                         head_size):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)

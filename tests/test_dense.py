@@ -149,16 +149,17 @@ def test_dense_fma_matches_reference(n, k, m, bias, device):
 def test_dense_fma_activation_rows_change_no_bit(m, tiles, device, monkeypatch):
     """X_ROWS (the activation words loaded in the weight tile's layout, stop 40) where the tile's K step
     spans >= 32 words per warp (``fma_x_rows``; the sm_90 one-token 8,256,8): the same bits as the
-    activation row broadcast over the tile's rows, with a bias, a masked K tail (K = 96: 24 words,
-    steps of 32 / 64) and rows past N masked; the launcher's rule picks it exactly there."""
-    x, q, s, b = _fma_case(m, 40, 96, True, seed=7 + m, device=device)
+    activation row broadcast over the tile's rows, with a bias, a masked K tail (K = 160: 40 words,
+    steps of 32 / 64) and rows past N masked (N = 37); the launcher's rule picks it exactly there."""
+    x, q, s, b = _fma_case(m, 37, 160, True, seed=7 + m, device=device)  # K = 160: 40 words, steps of 32 / 64
     monkeypatch.setenv(D.DENSE_FMA_TILES_ENV, tiles)
     t = D.dense_fma_tiles(x)
-    assert D.fma_x_rows(t, t.kw) and not D.fma_x_rows(D.DenseFmaTiles(16, 128, 8), 128)
+    kw = min(t.kw, 64)  # the launcher's clip to next_pow2(K / 4)
+    assert D.fma_x_rows(t, kw) and not D.fma_x_rows(D.DenseFmaTiles(16, 128, 8), 128)
     assert not D.fma_x_rows(D.DenseFmaTiles(8, 256, 8), 128) and D.fma_x_rows(D.DenseFmaTiles(8, 256, 8), 256)
     on = D.dense_fp8_linear(x, q, s, b, path="fma")
     monkeypatch.setenv(D.DENSE_X_ROWS_ENV, "0")  # the A/B switch: the broadcast row as before
-    assert not D.fma_x_rows(t, t.kw)
+    assert not D.fma_x_rows(t, kw)
     off = D.dense_fp8_linear(x, q, s, b, path="fma")
     assert torch.equal(on, off)
     assert_close(on.float(), D.dense_fp8_linear_torch(x, q, s, b).float(), atol=2e-2, rtol=1e-2)
@@ -380,6 +381,9 @@ def test_rope_off_the_fma_path_and_bad_input(device):
     out = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head)
     ref = D.rope_neox_(D.dense_fp8_linear(x, q, s, b), pos, cache, rope_rows, head)
     assert torch.equal(out, ref)
+    for path in ("mmav", "mma"):  # the carried norm is the FMA epilogue's: refused elsewhere, never ignored
+        with pytest.raises(ValueError, match="FMA path only"):
+            D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path, norm=("bufs", 1e-5, None))
     with pytest.raises(ValueError, match="rope_rows"):
         D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows + 32, head)
     with pytest.raises(ValueError, match="positions"):
@@ -397,7 +401,7 @@ def _nvfp4_kv_pages(heads_kv, head, device, block=16, blocks=6):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("m,path", [(1, "fma"), (3, "fma"), (6, "auto")])
+@pytest.mark.parametrize("m,path", [(1, "fma"), (3, "fma"), (6, "auto"), (3, "mmav"), (20, "mmav")])
 def test_qkv_gemv_writes_the_nvfp4_kv_cache(m, path, device, monkeypatch):
     """``kv_write``: the qkv GEMV (+ rotation) also writes each token's k and v heads to the NVFP4 KV
     pages. On the FMA path each head's last program to finish does it (no write launch: the write
@@ -411,7 +415,7 @@ def test_qkv_gemv_writes_the_nvfp4_kv_cache(m, path, device, monkeypatch):
     fp4 = importlib.import_module("vllm_sm121.kernels.fp4_kv")
     head, hkv = 32, 2
     x, q, s, b, pos, cache, rope_rows = _rope_case(m, 4, hkv, head, 64, device, 21 + m)
-    slots = torch.tensor([5, 40, -1, 17, 66, 3][:m], dtype=torch.int64, device=device)
+    slots = torch.tensor(([5, 40, -1, 17, 66, 3] + list(range(70, 84)))[:m], dtype=torch.int64, device=device)
     out = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path)
     ref_cache, (kp, vp) = _nvfp4_kv_pages(hkv, head, device)
     qr = rope_rows - hkv * head

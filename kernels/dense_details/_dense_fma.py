@@ -267,11 +267,12 @@ def _dense_fp8_fma_kernel(
     NP_PAD: tl.constexpr = 1,  # next power of two >= K / 16
     COPY_BLOCK: tl.constexpr = 16,  # columns of s each of the first cdiv(K, COPY_BLOCK) programs copies
     # The activation words loaded as a [BLOCK_R, BLOCK_KW] tile in the weight tile's layout (each thread
-    # the words its own weight words need) instead of one [BLOCK_KW] row broadcast over the rows. For
-    # tiles with at most one row per warp (BLOCK_R <= num_warps, the one-token 8,256,8): Triton 3.6
-    # otherwise loads the row one word per thread and converts it to the tile's layout through shared
-    # memory, 2 CTA barriers per activation vector and token in every K step (sm_90a SASS of
-    # 8,256,8: 8 BAR.SYNC per K step). Same loads per thread there; same values, same sums.
+    # the words its own weight words need) instead of one [BLOCK_KW] row broadcast over the rows. The
+    # launcher sets it where a K step spans >= 32 words per warp (``fma_x_rows``; the one-token
+    # 8,256,8): Triton 3.6 otherwise loads the row one word per thread and converts it to the tile's
+    # layout through shared memory, 2 CTA barriers per activation vector and token in every K step
+    # (sm_90a SASS of 8,256,8: 8 BAR.SYNC per K step). A thread holding several rows loads the same
+    # words once per row (L1 hits). Same values, same sums.
     X_ROWS: tl.constexpr = False,
 ):
     KW: tl.constexpr = K // 4
