@@ -401,12 +401,16 @@ def dense_specs(family: str) -> list[Spec]:
     specs.append(Spec(name="dense_fp8[qkv K2880, prefill]", fn=_dense_fp8_kernel,
                       constexprs=dict(prefill, K=2880, HAS_BIAS=True), ptr_types=ptrs,
                       num_warps=D.PREFILL_NUM_WARPS, num_stages=D.PREFILL_NUM_STAGES))
-    # The FMA decode GEMV (M <= 4: one and four token accumulators) with the family's tiles.
+    # The FMA decode GEMV (M <= 4: one and four token accumulators, and two where the family has its own
+    # two-token tile) with the family's tiles.
     fma_ptrs = dict(ptrs, x_ptr="*i64", w_ptr="*i32")
     for what, k, bias in (("qkv", 2880, True), ("o", 4096, True), ("lm_head", 2880, False)):
-        for nt in (1, 4):
-            fma = D.DENSE_FMA_TILES_M1.get((family, what == "lm_head"), D.DENSE_FMA_TILES[family]) if nt == 1 \
-                else D.DENSE_FMA_TILES[family]
+        wide = what == "lm_head"
+        for nt in (1, 2, 4):
+            if nt == 2 and (family, wide) not in D.DENSE_FMA_TILES_M2:
+                continue
+            fma = {1: D.DENSE_FMA_TILES_M1, 2: D.DENSE_FMA_TILES_M2}.get(nt, {}).get((family, wide),
+                                                                             D.DENSE_FMA_TILES[family])
             kw = min(fma.kw, triton.next_power_of_2(k // 4))
             specs.append(Spec(name=f"dense_fp8_fma[{what} K{k}, M{nt}]", fn=_dense_fp8_fma_kernel,
                               constexprs=dict(K=k, NT=nt, BLOCK_R=fma.rows, BLOCK_KW=kw, HAS_BIAS=bias,
