@@ -8,7 +8,10 @@
 Method
     The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on dummy weights, so
     torch.profiler (CPU + CUDA activities) sees the model runner's host calls and the kernels.
-    One 16-token prompt, greedy, ignore_eos; after a warm-up, two generations are profiled:
+    One 16-token prompt (``--batch B``: B distinct ones, decoded together), greedy, ignore_eos
+    (``--random-router``: routers refilled and the token-independent biases zeroed as in
+    ``benchmarks/e2e.py``, so batched decode routes like real weights); after a warm-up, two
+    generations are profiled:
     max_tokens = 2 and 2 + --steps. Per decode step = (count(long) - count(short)) / --steps,
     so prefill, request setup and teardown cancel out.
 
@@ -224,6 +227,11 @@ def main(argv=None) -> int:
                     help='additional_config sm121.cudagraph = "whole_model" (issue 7, stage A: lm_head + greedy '
                     "sampling inside the FULL decode graph; needs graphs, i.e. not --eager)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps between the two profiles (default 32)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="prompts decoded together (default 1; at most --capture-size unless --eager)")
+    ap.add_argument("--random-router", action="store_true",
+                    help="refill the MoE routers and zero the token-independent biases after start-up "
+                    "(benchmarks/e2e.py --random-router): batched decode then routes like real weights")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--top", type=int, default=40, help="kernels printed (default 40)")
     ap.add_argument("--out", default=None, help="JSON path")
@@ -231,9 +239,12 @@ def main(argv=None) -> int:
     ap.add_argument("--scopes", action="store_true",
                     help="also time the host-side pieces of a decode step (SCOPES), without the profiler")
     args = ap.parse_args(argv)
-    for name in ("steps", "capture_size", "top"):
+    for name in ("steps", "capture_size", "top", "batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.eager and args.batch > args.capture_size:
+        ap.error(f"--batch {args.batch} is above --capture-size {args.capture_size}: its decode steps would "
+                 "not replay a graph; raise --capture-size or use --eager")
     if args.kv_cache_dtype == "nvfp4" and args.backend != "SM121":
         ap.error(f"--kv-cache-dtype nvfp4 needs --backend SM121 (got {args.backend}): no other backend on "
                  "sm_90 / sm_12x reads an nvfp4 cache")
@@ -248,6 +259,8 @@ def main(argv=None) -> int:
     layers = int(hf["num_hidden_layers"])
     kw = build_kwargs(args, hf)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if args.random_router:  # LLM.apply_model ships a function to the model's worker
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if args.moe_experimental:
         env["VLLM_SM121_MOE_EXPERIMENTAL"] = "1"
     print(f"LLM(**{json.dumps(kw)})  env {env}", flush=True)
@@ -266,10 +279,17 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(**kw)
-    prompt = TokensPrompt(prompt_token_ids=list(range(100, 116)))
+    if args.random_router:
+        import functools
+
+        from e2e import randomize_routers
+
+        print(f"routers refilled in {llm.apply_model(functools.partial(randomize_routers, seed=0))} layers",
+              flush=True)
+    prompts = [TokensPrompt(prompt_token_ids=list(range(100 + 16 * i, 116 + 16 * i))) for i in range(args.batch)]
 
     def generate(n: int) -> None:
-        llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)
+        llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)
 
     generate(8)
     generate(2 + args.steps)
@@ -307,7 +327,8 @@ def main(argv=None) -> int:
                     per_step(counts[0][1], counts[1][1], args.steps), layers,
                     per_step(counts[0][2], counts[1][2], args.steps))
 
-    print(f"\ndevice {torch.cuda.get_device_name()}  layers {layers}  steps {args.steps}  backend {args.backend}  "
+    print(f"\ndevice {torch.cuda.get_device_name()}  layers {layers}  steps {args.steps}  batch {args.batch}  "
+          f"random-router {args.random_router}  backend {args.backend}  "
           f"eager {args.eager}  moe-experimental {args.moe_experimental}  dense-fp8 {args.dense_fp8}  "
           f"whole-model {args.whole_model}")
     print("\nCUDA API calls per decode step")
@@ -333,7 +354,8 @@ def main(argv=None) -> int:
         res["host_scopes_per_step"] = scopes
     out = {"header": {"device": torch.cuda.get_device_name(), "commit": git_info(),
                       "versions": {k: _version(k) for k in ("vllm", "torch", "triton", "vllm-sm121")}},
-           "llm_kwargs": kw, "env": env, "layers": layers, "steps": args.steps, **res}
+           "llm_kwargs": kw, "env": env, "layers": layers, "steps": args.steps, "batch": args.batch,
+           "random_router": args.random_router, **res}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -211,7 +211,7 @@ for step in "$@"; do
                    tag=${a%%|*}; sets=${PROFILE120B_SET:-upstream plugin}; case " ${sets//[,_]/ } " in *" $tag "*) ;; *) continue ;; esac
                    [ "$tag" = pluginkv ] && kvq=1 || kvq=${VLLM_SM121_KV_IN_QKV:-0}
                    [ "$tag" = pluginl2 ] && l2=${PROFILE_L2:-o,qkv_late,w2_late} || l2=${VLLM_SM121_L2_PREFETCH:-}
-                   VLLM_SM121_KV_IN_QKV=$kvq VLLM_SM121_L2_PREFETCH=$l2 python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} --gpu-memory-utilization 0.85 --top 30 \
+                   VLLM_SM121_KV_IN_QKV=$kvq VLLM_SM121_L2_PREFETCH=$l2 python3 benchmarks/profile_step.py --model models/gpt-oss-120b ${a#*|} ${PROFILE_ARGS:-} --gpu-memory-utilization 0.85 --top 30 \
                      --out "$OUT/profile_120b_$tag.json" > "$OUT/profile_120b_$tag.log" 2>&1; r=$?; echo "--- profile 120b $tag: rc $r"
                    if [ $r = 0 ]; then sed -n '/^device/,$p' "$OUT/profile_120b_$tag.log" | head -n 60; else fail=1; tail -n 40 "$OUT/profile_120b_$tag.log"; fi
                  done; (exit $fail) ;;

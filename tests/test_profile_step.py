@@ -55,7 +55,12 @@ def test_dry_run_prints_kwargs_and_bad_input():
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_step.py"), "--dry-run",
                         "--kv-cache-dtype", "nvfp4"], capture_output=True, text=True)
     assert r.returncode == 0 and '"kv_cache_dtype": "nvfp4"' in r.stdout, r.stderr[-2000:]
-    for bad in (["--steps", "0"], ["--capture-size", "0"], ["--top", "0"],
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_step.py"), "--dry-run", "--batch", "8",
+                        "--random-router"], capture_output=True, text=True)
+    assert r.returncode == 0 and "VLLM_ALLOW_INSECURE_SERIALIZATION" in r.stdout, r.stderr[-2000:]
+    assert P.main(["--dry-run", "--eager", "--batch", "32"]) == 0  # eager: any batch
+    for bad in (["--steps", "0"], ["--capture-size", "0"], ["--top", "0"], ["--batch", "0"],
+                ["--batch", "16"],  # above the default capture size 8: the steps would not replay a graph
                 ["--moe-experimental", "--backend", "TRITON_ATTN"], ["--kv-cache-dtype", "nvfp4", "--backend", "default"],
                 ["--kv-cache-dtype", "fp4"]):
         with pytest.raises(SystemExit):
