@@ -265,6 +265,12 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe + the tensor-core dense GEMV (qkv, o, lm_head) at every M <= 16, the FMA GEMV off", **OFF,
            env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", os.environ.get("E2E_MMAV_MAX_M", "16")),
                 ("VLLM_SM121_DENSE_FMA_MAX_M", "0"))),
+    # Prefill-sized chunks (>= 64 tokens) of the FP8 dense layers through vLLM's W8A8 GEMM (per-token e4m3
+    # activations): the MMA kernel there is 2-3x slower than cuBLAS bf16 (issue 8's prefill item); decode
+    # batches keep the W8A16 paths. For pp2048 / b32 A/B runs with its drift (`w8a8drift`) next to them
+    Config("sm121-all-moe-w8a8pf", _all_on(),
+           "sm121-all-moe + vLLM's W8A8 GEMM for the dense layers' chunks of >= 64 tokens", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_DENSE_W8A8_MIN_M", "64"))),
     # Stop 40's default on sm_90 (the tensor-core GEMV at 3-16 tokens, lm_head 2-16) off: the FMA GEMV for
     # 1-2 tokens (lm_head 1) as in the default, the MMA kernel above (stop 39 had FMA up to 4 on qkv / o:
     # one environment limit cannot give both, and the A/B here is the tensor-core GEMV's)

@@ -249,7 +249,8 @@ def test_configs_table():
                  "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg", "sm121-all-moe-optins",
                  "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes", "sm121-all-moe-normqkv",
                  "sm121-all-moe-normf16", "sm121-all-moe-nonorm", "sm121-all-moe-f16word",
-                 "sm121-all-moe-bf16reduce", "sm121-all-moe-nowindow", "sm121-all-moe-nommav")
+                 "sm121-all-moe-bf16reduce", "sm121-all-moe-nowindow", "sm121-all-moe-nommav",
+                 "sm121-all-moe-w8a8pf")
     # stop 39: the windowed FMA MoE's A/B (grouped GEMMs from M = 5 again)
     assert dict(by["sm121-all-moe-nowindow"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
                                                       "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS": "0"}
@@ -289,6 +290,7 @@ def test_configs_table():
         assert dict(by["sm121-all-moe-mmav"].env)["VLLM_SM121_DENSE_MMAV_MAX_M"] == "16"
     assert dict(by["sm121-all-moe-mmav"].env)["VLLM_SM121_DENSE_FMA_MAX_M"] == "0"
     assert dict(by["sm121-all-moe-nommav"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_DENSE_MMAV_MAX_M": "0"}
+    assert dict(by["sm121-all-moe-w8a8pf"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_DENSE_W8A8_MIN_M": "64"}
     assert dict(by["sm121-graph-a"].env) == {"VLLM_SM121_GRAPH_FAST_PATH": "0"}
     assert dict(by["sm121-graph-sample"].env) == {"VLLM_SM121_GRAPH_SAMPLE": "1"}
     assert "sm121-graph-sample" not in e2e.DEFAULT_CONFIGS
