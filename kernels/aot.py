@@ -409,8 +409,7 @@ def dense_specs(family: str) -> list[Spec]:
         for nt in (1, 2, 4):
             if nt == 2 and (family, wide) not in D.DENSE_FMA_TILES_M2:
                 continue
-            fma = {1: D.DENSE_FMA_TILES_M1, 2: D.DENSE_FMA_TILES_M2}.get(nt, {}).get((family, wide),
-                                                                             D.DENSE_FMA_TILES[family])
+            fma = D.family_fma_tiles(family, nt, wide)
             kw = min(fma.kw, triton.next_power_of_2(k // 4))
             specs.append(Spec(name=f"dense_fp8_fma[{what} K{k}, M{nt}]", fn=_dense_fp8_fma_kernel,
                               constexprs=dict(K=k, NT=nt, BLOCK_R=fma.rows, BLOCK_KW=kw, HAS_BIAS=bias,

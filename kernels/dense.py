@@ -298,9 +298,14 @@ def dense_fma_tiles(t: torch.Tensor, m: int = 4, n: int = 0) -> DenseFmaTiles:
     env = os.environ.get(DENSE_FMA_TILES_ENV, "").strip()
     if env:
         return DenseFmaTiles.parse(env)
-    family = _platform.family_of(t)
+    return family_fma_tiles(_platform.family_of(t), m, n >= WIDE_N)
+
+
+def family_fma_tiles(family: str, m: int, wide: bool) -> DenseFmaTiles:
+    """The shipped FMA tiles of ``family`` for M tokens (``wide``: N >= WIDE_N), without the
+    environment override: what ``dense_fma_tiles`` and the AOT specs use."""
     few = {1: DENSE_FMA_TILES_M1, 2: DENSE_FMA_TILES_M2}.get(m, {})
-    return few.get((family, n >= WIDE_N), DENSE_FMA_TILES[family])
+    return few.get((family, wide), DENSE_FMA_TILES[family])
 
 
 # $VLLM_SM121_DENSE_X_ROWS=0 turns fma_x_rows off (read at call time; for A/B runs: the old loads)
@@ -512,9 +517,10 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return out
     if path == "auto":
-        path = select_path(m, n, _platform.family_of(x))
+        family = _platform.family_of(x)
+        path = select_path(m, n, family)
         if path == "w8a8" and out_dtype == torch.float32:  # W8A8 writes bf16 only: the path without it
-            path = select_path(m, n, _platform.family_of(x), w8a8=False)
+            path = select_path(m, n, family, w8a8=False)
     if path == "fma":
         return _dense_fma(x, w, scale, bias, out)
     if path == "mmav":
@@ -597,6 +603,7 @@ def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     tiles = dense_mmav_tiles(x)
+    block_t = mmav_block_t(m)
     gpu = _platform.family_of(x) != _platform.INTERPRETER
     split = tiles.splits(n, k, _platform.sm_count(x))
     n_tiles = -(-n // tiles.rows)
@@ -613,8 +620,8 @@ def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
     _dense_fp8_mmav_kernel[(n_tiles, split)](
         x, w.view(torch.uint8), scale, bias if bias is not None else scale, out, part, cnt, m, n, x.stride(0),
         out.stride(0), K=k, BLOCK_N=tiles.rows, BLOCK_K=min(tiles.kb, V._next_pow2(k)), SPLIT=split,
-        HAS_BIAS=bias is not None, X_SHIFT=DENSE_MMAV_X_SHIFT, DOT_FP32=not gpu, BLOCK_T=mmav_block_t(m),
-        num_warps=mmav_num_warps(tiles, mmav_block_t(m)), num_stages=tiles.num_stages, **extra)
+        HAS_BIAS=bias is not None, X_SHIFT=DENSE_MMAV_X_SHIFT, DOT_FP32=not gpu, BLOCK_T=block_t,
+        num_warps=mmav_num_warps(tiles, block_t), num_stages=tiles.num_stages, **extra)
     return out
 
 
@@ -659,18 +666,6 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         _check_kv_write(kv_write, m, n, rope_rows, head_size, x.device)
     if path == "auto":
         path = select_path(m, n, _platform.family_of(x))
-    if (path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and norm is None
-            and _rope_tiles_fit(dense_mmav_tiles(x), rope_rows, head_size)):
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        if m == 0:
-            return out
-        out = _dense_mmav(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
-        if kv_write is not None:  # the rotated k / v heads to the cache: one write launch after the GEMV
-            from .fp4_kv import fp4_kv_write
-
-            kp, vp, slots = kv_write
-            fp4_kv_write(*qkv_kv_heads(out, rope_rows, kp.shape[1], head_size), kp, vp, slots[:m])
-        return out
     if path == "fma" and m <= DENSE_FMA_KERNEL_MAX_M and _rope_tiles_fit(dense_fma_tiles(x, m, n), rope_rows,
                                                                         head_size):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
@@ -680,8 +675,14 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                           kv=None if kv_write is None else (*kv_write[:2], kv_write[2][:m]), norm=norm)
     if norm is not None:  # (dense_fp8_linear_rope_norm calls with it on the FMA path only)
         raise ValueError("norm: the carried input norm runs on the FMA path only")
-    out = rope_neox_(dense_fp8_linear(x, w, scale, bias, path=path), positions, cos_sin_cache, rope_rows, head_size)
-    if kv_write is not None and m:
+    if path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and _rope_tiles_fit(dense_mmav_tiles(x), rope_rows, head_size):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        if m:  # the rotation in the GEMV's epilogue
+            out = _dense_mmav(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
+    else:
+        out = rope_neox_(dense_fp8_linear(x, w, scale, bias, path=path), positions, cos_sin_cache, rope_rows,
+                         head_size)
+    if kv_write is not None and m:  # off the FMA path: one write launch after the projection
         from .fp4_kv import fp4_kv_write
 
         kp, vp, slots = kv_write

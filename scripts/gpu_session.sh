@@ -185,13 +185,13 @@ for step in "$@"; do
     # The one-token sweep of stop 25 won with the fewest K steps (each step is a dependent memory
     # round trip: its barriers keep the next step's loads behind it); the default list adds tiles
     # with one K step (kw 1024: every weight load issued at once; sm_90a, no spills, 47-80 regs).
+    densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-8,256,8;16,128,8;8,512,8;8,1024,8;4,1024,8;4,1024,4;8,1024,16;16,1024,16;4,512,4}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
     densemmav32) fail=0; python3 -m pytest -q -m "gpu or interpreter" tests/test_dense_mmav.py -p no:cacheprovider 2>&1 | tail -n 4 | tee "$OUT/densemmav32_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || fail=1  # stop 40: the 32-wide token tile (17-32 tokens), tests then timing
                 python3 benchmarks/dense.py --m "${DENSE_M:-16,17,24,32}" --shapes "${DENSE_SHAPES:-qkv,o,lm_head}" --providers sm121_mma,sm121_mmav,cublas_bf16,vllm_cutlass_fp8 --out "$OUT/dense_mmav32.json" > "$OUT/densemmav32.log" 2>&1 || fail=1
                 grep -E "^(device|shape|qkv|o |lm_head)" "$OUT/densemmav32.log"; (exit $fail) ;;
     densexrows) fail=0; for v in 1 0; do echo "VLLM_SM121_DENSE_X_ROWS=$v"  # stop 40: activations in the weight tile's layout (1) vs broadcast through shared memory (0)
                 VLLM_SM121_DENSE_X_ROWS=$v python3 benchmarks/dense.py --m "${DENSE_M:-1,2,4}" --shapes "${DENSE_SHAPES:-qkv,o,lm_head}" --providers sm121,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-8,256,8;4,512,4;8,512,8;16,256,8;4,1024,8;16,128,8}" --out "$OUT/dense_xrows$v.json" > "$OUT/densexrows$v.log" 2>&1 || fail=1
                 grep -E "^(device|shape|qkv|o |lm_head|  [0-9])" "$OUT/densexrows$v.log" | tail -n 45; done; (exit $fail) ;;
-    densesweep) python3 benchmarks/dense.py --m 1,2,4 --providers sm121,sm121_mma,cublas_bf16 --fma-tiles "${DENSE_FMA_TILES:-8,256,8;16,128,8;8,512,8;8,1024,8;4,1024,8;4,1024,4;8,1024,16;16,1024,16;4,512,4}" --out "$OUT/dense_sweep.json" 2>&1 | tee "$OUT/densesweep.log" | tail -n 50 ;;
     moewindow) python3 benchmarks/moe.py --m ${MOE_M:-1,4,5,8,16,32,64} --providers sm121_fma,sm121_grouped,triton --out "$OUT/moe_window.json" 2>&1 | tee "$OUT/moewindow.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;  # the windowed FMA path (stop 39) vs grouped vs vLLM
     moewsweep) python3 benchmarks/moe.py --m ${MOE_M:-8,16,32} --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,3;64,256,32,256,4,2;64,256,32,256,8,3;128,256,64,256,4,3;64,128,32,128,4,3}" --out "$OUT/moe_window_sweep.json" 2>&1 | tee "$OUT/moewsweep.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # FMA tiles of the windowed launches (M > 4)
     windowtests) python3 -m pytest -q -s tests/test_moe.py -k "windows or fma_block_path" --device cuda -p no:cacheprovider > "$OUT/windowtests.log" 2>&1; r1=$?

@@ -286,7 +286,7 @@ def _dense_fp8_fma_kernel(
     w_base = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * KW
     offs_c = tl.arange(0, BLOCK_KW)
     if X_ROWS:
-        offs_x = offs_c[None, :] + tl.zeros([BLOCK_R, 1], dtype=tl.int32)
+        offs_x = tl.broadcast_to(offs_c[None, :], (BLOCK_R, BLOCK_KW))
     else:
         offs_x = offs_c
     acc0 = tl.zeros([BLOCK_R, BLOCK_KW // 4], dtype=tl.float32)
