@@ -1852,9 +1852,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--random-router",
         action="store_true",
-        help="refill every MoE router with seeded N(0, 32^2) weights and a zero bias after start-up, so "
-        "that batched decode routes like real weights (dummy weights send every token to the same 4 "
-        "experts). Off by default",
+        help="refill every MoE router with seeded N(0, 32^2) weights and zero the router, o_proj and expert "
+        "biases after start-up, so that batched decode routes like real weights (dummy weights send every "
+        "token to the same 4 experts). Off by default",
     )
     ap.add_argument(
         "--engine-timestamps",
