@@ -275,7 +275,7 @@ CONFIGS: tuple[Config, ...] = (
     # 1-2 tokens (lm_head 1) as in the default, the MMA kernel above (stop 39 had FMA up to 4 on qkv / o:
     # one environment limit cannot give both, and the A/B here is the tensor-core GEMV's)
     Config("sm121-all-moe-nommav", _all_on(),
-           "sm121-all-moe with the dense layers' 3-16-token batches on the MMA kernel instead of the tensor-core GEMV",
+           "sm121-all-moe with the dense layers' 3-32-token batches on the MMA kernel instead of the tensor-core GEMV",
            **OFF, env=(MOE_ON, ("VLLM_SM121_DENSE_MMAV_MAX_M", "0"))),
     # Every plugin kernel of the decode step launched as a programmatic dependent ($VLLM_SM121_PDL)
     Config("sm121-all-moe-steppdl", _all_on(),

@@ -153,16 +153,19 @@ PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
 # plugin's paths (H200, 0f8d996, benchmarks/dense.py, docs/dense-cmp-mmav-h200-0f8d996.json, µs at
 # M = 4 / 8 / 16): qkv 9.9 / 10.0 / 10.9 vs FMA 16.6 (M = 4) and MMA 19.7; o 9.5 / 9.6 / 10.8 vs 14.1 and
 # 17.9; lm_head 149.3 / 151.9 / 160.5 vs 191.8 / 192.9 / 197.4 (MMA); cuBLAS bf16 10.7-11.0 / 12.1-12.7
-# / 279-283. So sm_90 takes FMA for 1-2 tokens (lm_head: 1) and mmav for 3-16 (M = 3 and the FMA
+# / 279-283. So sm_90 takes FMA for 1-2 tokens (lm_head: 1) and mmav for 3-16 (3-32 since stop 41, below; M = 3 and the FMA
 # GEMV at 2 tokens against mmav were not timed in one run: the FMA GEMV took qkv 10.0 / o 7.6 µs at
 # M = 2 with 8,256,8 in the stop-40 sweep). sm_12x keeps FMA up to 4 tokens and the MMA kernel above
 # (not measured on GB10).
-# The kernel takes up to 32 tokens (a 32-wide token tile above 16: stop 40, interpreter- and
-# AOT-tested, not timed: the sm_90 default stops at the timed 16; $VLLM_SM121_DENSE_MMAV_MAX_M=32
-# for A/B runs).
+# The kernel takes up to 32 tokens (a 32-wide token tile above 16, stop 40). Timed at stop 41 (H200,
+# d84142c, docs/dense-mmav32-h200-d84142c.json, µs at M = 17 / 24 / 32): qkv 14.6 / 14.9 / 15.0 vs
+# MMA 32.1-32.3, cuBLAS bf16 10.8-10.9, vLLM's cutlass W8A8 12.0-12.5; o 10.3 / 10.6 / 10.7 vs 43.6-43.8,
+# 12.3-12.8, 10.7-11.3; lm_head 259.9 / 257.9 / 252.4 vs MMA 250.5-252.9. The MMA kernel has no
+# rotation epilogue either (vLLM's torch rotation ran after it: ~25 µs per layer at batch 32 in the
+# stop-41 profile). So sm_90 takes mmav up to 32 tokens.
 DENSE_MMAV_KERNEL_MAX_M = 32
 DENSE_MMAV_MAX_M = 0
-DENSE_MMAV_MAX_M_FAMILY = {_platform.SM90: 16}
+DENSE_MMAV_MAX_M_FAMILY = {_platform.SM90: 32}
 DENSE_MMAV_MAX_M_ENV = "VLLM_SM121_DENSE_MMAV_MAX_M"
 # The activations go to fp16 as x * 2**-DENSE_MMAV_X_SHIFT (|x| < 2**(16 + shift) stays finite).
 DENSE_MMAV_X_SHIFT = 8

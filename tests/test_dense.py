@@ -174,11 +174,12 @@ def test_dense_paths_and_selection(device, monkeypatch):
     monkeypatch.delenv(D.DENSE_FMA_MAX_M_ENV, raising=False)
     monkeypatch.delenv(D.DENSE_MMAV_MAX_M_ENV, raising=False)
     assert [D.select_path(m, 5120) for m in (0, 1, 4, 5, 16)] == ["mma", "fma", "fma", "mma", "mma"]
-    # sm_90 (stop 40, H200): FMA for 1-2 tokens (lm_head 1), the tensor-core GEMV for 3-16, MMA above;
+    # sm_90 (stops 40-41, H200): FMA for 1-2 tokens (lm_head 1), the tensor-core GEMV for 3-32, MMA above;
     # sm_12x keeps FMA up to 4 and MMA above (not measured on GB10)
     sm90, sm12x = D._platform.SM90, D._platform.SM12X
-    assert [D.select_path(m, 5120, sm90) for m in (0, 1, 2, 3, 16, 17)] == ["mma", "fma", "fma", "mmav", "mmav", "mma"]
-    assert [D.select_path(m, D.WIDE_N, sm90) for m in (1, 2, 16, 17)] == ["fma", "mmav", "mmav", "mma"]
+    assert [D.select_path(m, 5120, sm90) for m in (0, 1, 2, 3, 16, 17, 32, 33)] == [
+        "mma", "fma", "fma", "mmav", "mmav", "mmav", "mmav", "mma"]
+    assert [D.select_path(m, D.WIDE_N, sm90) for m in (1, 2, 16, 32, 33)] == ["fma", "mmav", "mmav", "mmav", "mma"]
     assert [D.select_path(m, 5120, sm12x) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
     wide = D.WIDE_N  # lm_head: FMA only up to DENSE_FMA_WIDE_MAX_M tokens (timed on H100)
     assert [D.select_path(m, wide) for m in (1, 2)] == ["fma", "mma"]
