@@ -364,24 +364,30 @@ def moe_specs(family: str) -> list[Spec]:
             name=f"moe_align[E128, BLOCK_M {bm}, {what}]", fn=_moe_align_kernel,
             constexprs=dict(E=128, E_PAD=128, BLOCK_M=bm, CHUNK=chunk, TILE_CHUNK=tile_chunk), ptr_types=align_ptrs,
             num_warps=4 if max(chunk, tile_chunk) * 128 <= 4096 else 8))
+    halves = dict(BLOCK_K=M.HALVES_BLOCK_K, HALVES=True) if M.GROUPED_HALVES.get(family, False) else {}
     for t in tiles:
         for a_mxfp8 in (True, False) if t is tiles[-1] else (True,):
             specs.append(Spec(
                 name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in, tile {t.spec()}]",
                 fn=_moe_fc1_grouped_kernel,
                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_M=t.block_m, BLOCK_N=t.block_n // 2, BLOCK_K=t.block_k,
-                                ALPHA=1.702, LIMIT=7.0, A_MXFP8=a_mxfp8, DOT_FP32=False, HW_FP8=True),
+                                ALPHA=1.702, LIMIT=7.0, A_MXFP8=a_mxfp8, DOT_FP32=False, HW_FP8=True) | halves,
                 ptr_types=dict(a_ptr="*u8" if a_mxfp8 else "*bf16", a_scale_ptr="*u8", out_ptr="*u8",
                                out_scale_ptr="*u8", **grouped), num_warps=t.num_warps, num_stages=t.num_stages))
         specs.append(Spec(
             name=f"moe_fc2_grouped[gpt-oss H2880 I2880, tile {t.spec()}]", fn=_moe_fc2_grouped_kernel,
-            constexprs=dict(H=2880, I=2880, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_FP32=False),
+            constexprs=dict(H=2880, I=2880, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                            DOT_FP32=False) | halves,
             ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", out_ptr="*fp32", **grouped),
             num_warps=t.num_warps, num_stages=t.num_stages))
     # the launchers' w_f2=False (every weight scale byte <= 128: one multiply per pair fewer), first tile
     first = [sp for sp in specs if sp.name.startswith(("moe_fc1_grouped", "moe_fc2_grouped"))][:2]
     specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", no F2]", constexprs=dict(sp.constexprs, W_F2=False))
               for sp in first]
+    if halves:  # the checkpoint-order decoder ($VLLM_SM121_MOE_GROUPED_HALVES=0), first tile
+        specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bytes]",
+                                      constexprs=dict(sp.constexprs, BLOCK_K=tiles[0].block_k, HALVES=False))
+                  for sp in first]
     return specs
 
 

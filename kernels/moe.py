@@ -909,6 +909,25 @@ GROUPED_TILES: dict[str, tuple[tuple[float, GroupedTiles], ...]] = {
     _platform.INTERPRETER: ((12, GroupedTiles(16, 64, 64, 4, 1)), (float("inf"), GroupedTiles(32, 64, 64, 4, 1))),
 }
 GROUPED_TILE_ENV = "VLLM_SM121_MOE_GROUPED_TILE"
+# The halves decoder (``moe_details/_mx.py``, stop 41): 128-value K steps as two K = 64 dots over the
+# even and the odd weight values, whose lanes read 16 contiguous bytes each (sm_90a SASS of FC2's K
+# loop: 266 instructions per 64 weight values vs 358-401 in checkpoint order). Replaces the tiles'
+# block_k by 128. Per family; $VLLM_SM121_MOE_GROUPED_HALVES (0 / 1, read at call time) overrides.
+GROUPED_HALVES: dict[str, bool] = {_platform.SM90: True, _platform.SM12X: True, _platform.INTERPRETER: True}
+GROUPED_HALVES_ENV = "VLLM_SM121_MOE_GROUPED_HALVES"
+HALVES_BLOCK_K = 128
+
+
+def grouped_halves(t: torch.Tensor) -> bool:
+    """Whether the grouped GEMMs on ``t``'s device use the halves decoder (GROUPED_HALVES)."""
+    return bool(V.env_int(GROUPED_HALVES_ENV, int(GROUPED_HALVES.get(_platform.family_of(t), False))))
+
+
+def _grouped_block_k(t: torch.Tensor, tiles: GroupedTiles, k: int) -> tuple[int, bool]:
+    """(BLOCK_K, HALVES) of a grouped launch over K on ``t``'s device."""
+    if grouped_halves(t):
+        return HALVES_BLOCK_K, True
+    return min(tiles.block_k, triton.next_power_of_2(k)), False
 
 
 def grouped_tiles(t: torch.Tensor, m: int, topk: int, num_experts: int) -> GroupedTiles:
@@ -962,13 +981,14 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     out_scale = torch.empty(m * topk, i // 32, dtype=torch.uint8, device=a.device)
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
+        block_k, halves = _grouped_block_k(a, tiles, k)
         _moe_fc1_grouped_kernel[(tile_e.numel(), -(-i // block_n))](
             a.view(torch.uint8) if mxfp8 else a, a_scale if mxfp8 else out_scale, w13, w13_scale, bias,
             order, tile_e, tile_s, tile_t, out, out_scale,
             K=k, I=i, TOPK=topk, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
-            BLOCK_K=min(tiles.block_k, triton.next_power_of_2(k)), ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
+            BLOCK_K=block_k, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
             A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER, HW_FP8=_gpu_flags(a)["HW_FP8"],
-            W_F2=w_f2, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            W_F2=w_f2, HALVES=halves, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.view(torch.float8_e4m3fn), out_scale
 
 
@@ -1002,11 +1022,11 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
     part = torch.empty(m, topk, hidden, dtype=torch.float32, device=h.device)
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
+        block_k, halves = _grouped_block_k(h, tiles, i)
         _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // tiles.block_n))](
             h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
-            H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=min(tiles.block_k, triton.next_power_of_2(i)),
-            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=w_f2,
+            H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+            DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=w_f2, HALVES=halves,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
     return part.sum(1).to(out_dtype)

@@ -7,7 +7,8 @@ import triton.language as tl
 from test_moe_block import random_moe_weights
 
 from vllm_sm121.kernels.moe import dequant_mxfp4_torch, moe_fc1_swiglu, moe_fc1_swiglu_torch
-from vllm_sm121.kernels.moe_details._mx import (_bf16_bits, load_mxfp4_tile, mxfp4_tile_bf16, mxfp8_tile_bf16,
+from vllm_sm121.kernels.moe_details._mx import (_bf16_bits, act_halves, load_mxfp4_tile, mxfp4_halves_bf16, mxfp4_tile_bf16,
+                                                mxfp8_tile_bf16,
                                                  routed_tokens)
 from vllm_sm121.kernels.moe_details._moe_fma import _user
 from vllm_sm121.kernels.norm_mxfp8 import mxfp8_dequantize_torch, mxfp8_quantize_torch
@@ -783,6 +784,70 @@ def test_grouped_operand_decodes_on_gpu():
     assert torch.equal(out[:, :n][finite].view(torch.int16), ref[:, :n][finite].bfloat16().view(torch.int16))
 
 
+def _halves_slot(k: torch.Tensor) -> torch.Tensor:
+    """Byte slot j of logical k in the halves decoder's order (the inverse of ``lane_order``)."""
+    return (k & 1) | (((k >> 3) & 7) << 1) | (((k >> 1) & 3) << 4)
+
+
+@triton.jit
+def _halves_decode_kernel(wq_ptr, ws_ptr, x_ptr, we_ptr, wo_ptr, xe_ptr, xo_ptr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                          FP32: tl.constexpr, W_F2: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    j = tl.arange(0, 64)
+    wq = tl.load(wq_ptr + r[:, None] * 64 + j[None, :])
+    ws = tl.load(ws_ptr + r[:, None] * 4 + tl.arange(0, 4)[None, :])
+    even, odd = mxfp4_halves_bf16(wq, ws, ROWS, 64, FP32, W_F2)
+    tl.store(we_ptr + r[:, None] * 64 + j[None, :], even)
+    tl.store(wo_ptr + r[:, None] * 64 + j[None, :], odd)
+    c = tl.arange(0, COLS)
+    xe, xo = act_halves(tl.load(x_ptr + tl.arange(0, 128)[:, None] * COLS + c[None, :]), COLS)
+    tl.store(xe_ptr + j[:, None] * COLS + c[None, :], xe)
+    tl.store(xo_ptr + j[:, None] * COLS + c[None, :], xo)
+
+
+@pytest.mark.parametrize("w_f2", [True, False])
+def test_grouped_halves_decode_is_exact(device, w_f2):
+    """The halves decoder (HALVES, stop 41): for every byte (both nibbles: all 16 codes) under every
+    DECODE_SCALES byte, its even / odd operands in logical order are the LUT reference's values of
+    checkpoint K 2j / 2j + 1 of slot j bit for bit (W_F2 off: up to scale byte 128 only), and the
+    activations are permuted to the same K order. GPU: the inline-PTX decoder (bf16)."""
+    fp32 = device == "cpu"
+    n = len(DECODE_SCALES)
+    rows = 32
+    g = torch.Generator().manual_seed(7)
+    wq = torch.stack([torch.randperm(256, generator=g)[:64] for _ in range(rows)]).to(torch.uint8)
+    wq[:, :16] = torch.arange(256, dtype=torch.uint8).view(16, 16)[torch.arange(rows) % 16]  # every byte somewhere
+    scales = torch.tensor(DECODE_SCALES + (127,) * (4 * rows - n), dtype=torch.uint8)
+    ws = scales[torch.randperm(4 * rows, generator=g)].view(rows, 4)
+    ws[: n // 4 + 1].view(-1)[:n] = torch.tensor(DECODE_SCALES, dtype=torch.uint8)
+    x = torch.randn(128, 16, generator=g)
+    dt = torch.float32 if fp32 else torch.bfloat16
+    outs = [torch.empty(rows, 64, dtype=dt, device=device) for _ in range(2)]
+    outs += [torch.empty(64, 16, dtype=torch.float32, device=device) for _ in range(2)]
+    _halves_decode_kernel[(1,)](wq.to(device), ws.to(device), x.to(device), *outs, ROWS=rows, COLS=16, FP32=fp32,
+                                W_F2=w_f2)
+    we, wo, xe, xo = (o.cpu().float() for o in outs)
+    ref = dequant_mxfp4_torch(wq, ws)  # [rows, 128] checkpoint order
+    j = _halves_slot(torch.arange(64))
+    ok = (ws.int() <= 128).repeat_interleave(16, 1)[:, j] if not w_f2 else torch.ones(rows, 64, dtype=torch.bool)
+    assert ok.sum() > rows * 32 and (~ok).any() == (not w_f2)
+    for got, want in ((we, ref[:, 2 * j]), (wo, ref[:, 2 * j + 1])):
+        assert torch.isinf(want).any() and (want.view(torch.int32) < 0).any()
+        assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))
+    if not w_f2:  # the negative control: above 128 the missing factor shows
+        assert not torch.equal(we[~ok].view(torch.int32), ref[:, 2 * j][~ok].view(torch.int32))
+    assert torch.equal(xe, x[2 * j]) and torch.equal(xo, x[2 * j + 1])
+
+
+@pytest.fixture(params=["halves", "bytes"])
+def grouped_decoder(request, monkeypatch):
+    """Both grouped-GEMM weight decoders (``kernels.moe.GROUPED_HALVES``)."""
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.setenv(K.GROUPED_HALVES_ENV, "1" if request.param == "halves" else "0")
+    return request.param
+
+
 GROUPED_CASES = [  # m, k, i, e, topk, tiles (None: the table's)
     (5, 64, 64, 4, 2, None),
     (9, 128, 64, 4, 3, "16,64,32,4,1"),  # 16-token tiles (experts over 2 tiles), 4 K steps
@@ -793,7 +858,7 @@ GROUPED_CASES = [  # m, k, i, e, topk, tiles (None: the table's)
 
 
 @pytest.mark.parametrize("m,k,i,e,topk,tiles", GROUPED_CASES)
-def test_grouped_fc1_fc2_match_reference(device, m, k, i, e, topk, tiles):
+def test_grouped_fc1_fc2_match_reference(device, m, k, i, e, topk, tiles, grouped_decoder):
     """Grouped FC1 (MXFP8 and bf16 input) and FC2 + combine against their references with
     16- and 32-token tiles (``tiles``), experts spread over several tiles."""
     from vllm_sm121.kernels.moe import (
@@ -831,7 +896,7 @@ def test_grouped_fc1_fc2_match_reference(device, m, k, i, e, topk, tiles):
     torch.testing.assert_close(out.cpu().float(), ref, rtol=2**-8, atol=1e-5)
 
 
-def test_grouped_weight_f2_switch(device):
+def test_grouped_weight_f2_switch(device, grouped_decoder):
     """``w_f2=False`` (the caller's promise that every weight scale byte is <= 128, as
     ``weight_scales_need_f2`` checks) gives the reference's values there; with a byte above 128 the
     default decoder still does, and the switch visibly does not (so the switch is what it claims)."""

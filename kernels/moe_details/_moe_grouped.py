@@ -47,7 +47,7 @@ no inline PTX, so DOT_FP32 (CPU) builds the same bits and factors in fp32 and us
 import triton
 import triton.language as tl
 
-from ._mx import mxfp4_tile_bf16, mxfp8_quantize_rows_fast, mxfp8_roundtrip, mxfp8_tile_bf16
+from ._mx import act_halves, mxfp4_halves_bf16, mxfp4_tile_bf16, mxfp8_quantize_rows_fast, mxfp8_roundtrip, mxfp8_tile_bf16
 
 
 @triton.jit
@@ -111,6 +111,28 @@ def _act_tile_t(a_ptr, a_s, rows, row_ok, k0, K: tl.constexpr, BLOCK_M: tl.const
 
 
 @triton.jit
+def _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, a_rows, a_ok, kb, K: tl.constexpr, ROWS: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, A_MXFP8: tl.constexpr, DOT_FP32: tl.constexpr,
+            W_F2: tl.constexpr, HALVES: tl.constexpr):
+    """acc [ROWS, BLOCK_M] += the weight rows' K step at byte kb times the activation rows'
+    (transposed). HALVES (BLOCK_K = 128): two K = 64 dots over the even and the odd values
+    (``_mx.py``, the halves decoder); else one dot in checkpoint order."""
+    if HALVES:
+        offs_kb = kb + tl.arange(0, BLOCK_K // 2)
+        wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
+                     mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
+        w_even, w_odd = mxfp4_halves_bf16(wq, ws, ROWS, BLOCK_K // 2, DOT_FP32, W_F2)
+        a_even, a_odd = act_halves(_act_tile_t(a_ptr, a_s, a_rows, a_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8,
+                                               DOT_FP32), BLOCK_M)
+        acc = tl.dot(w_even, a_even, acc)
+        return tl.dot(w_odd, a_odd, acc)
+    else:
+        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K, ROWS, BLOCK_K, DOT_FP32, W_F2)
+        a = _act_tile_t(a_ptr, a_s, a_rows, a_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
+        return tl.dot(w, a, acc)
+
+
+@triton.jit
 def _moe_fc1_grouped_kernel(
     a_ptr,  # [M, K] activations: bf16, or uint8 e4m3 when A_MXFP8
     a_scale_ptr,  # [M, K / 32] uint8 e8m0 (A_MXFP8 only)
@@ -135,6 +157,7 @@ def _moe_fc1_grouped_kernel(
     DOT_FP32: tl.constexpr,  # interpreter: fp32 operands (it mis-computes bf16)
     HW_FP8: tl.constexpr,  # GPU: hardware fp32 -> e4m3 rounding of the output; interpreter: software
     W_F2: tl.constexpr = True,  # False: every weight scale byte is <= 128 (one multiply per pair fewer)
+    HALVES: tl.constexpr = False,  # the halves decoder (BLOCK_K 128; _mx.py, stop 41)
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
@@ -154,9 +177,8 @@ def _moe_fc1_grouped_kernel(
         a_s = as_nxt
         ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, K, BLOCK_K, True)
         as_nxt = _scales(a_scale_ptr, token, m_ok & A_MXFP8, kb // 16 + BLOCK_K // 32, K, BLOCK_K, False)
-        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K, 2 * BLOCK_N, BLOCK_K, DOT_FP32, W_F2)
-        a = _act_tile_t(a_ptr, a_s, token, m_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
-        acc = tl.dot(w, a, acc)
+        acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, token, m_ok, kb, K, 2 * BLOCK_N, BLOCK_M, BLOCK_K,
+                      A_MXFP8, DOT_FP32, W_F2, HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), [0, 2, 1]))  # [BLOCK_N, BLOCK_M]
     gate = tl.minimum(gate, LIMIT)
@@ -190,6 +212,7 @@ def _moe_fc2_grouped_kernel(
     BLOCK_K: tl.constexpr,  # power of two >= 32
     DOT_FP32: tl.constexpr,
     W_F2: tl.constexpr = True,  # as FC1's
+    HALVES: tl.constexpr = False,  # as FC1's
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
@@ -206,9 +229,8 @@ def _moe_fc2_grouped_kernel(
         a_s = as_nxt
         ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, True)
         as_nxt = _scales(h_scale_ptr, pair, m_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, False)
-        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, I, BLOCK_N, BLOCK_K, DOT_FP32, W_F2)
-        a = _act_tile_t(h_ptr, a_s, pair, m_ok, 2 * kb, I, BLOCK_M, BLOCK_K, True, DOT_FP32)
-        acc = tl.dot(w, a, acc)
+        acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, h_ptr, a_s, pair, m_ok, kb, I, BLOCK_N, BLOCK_M, BLOCK_K, True,
+                      DOT_FP32, W_F2, HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     acc *= tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)[None, :]
     tl.store(out_ptr + pair[None, :] * H + rows[:, None], acc, mask=m_ok[None, :] & row_ok[:, None])

@@ -97,6 +97,91 @@ def mxfp4_tile_bf16(wq, ws, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.
     return tl.reshape(v, [ROWS, BLOCK_K])
 
 
+# ---- the grouped GEMMs' halves decoder (HALVES, stop 41) -------------------------------------------
+#
+# A dot product does not care which K index sits in which operand slot, as long as the weights and
+# the activations use the same order. The halves decoder picks the order that makes the weight side
+# cheap; the activation side (BLOCK_N / BLOCK_M times fewer values per program) follows it:
+# * Halves: a 128-value step (64 bytes of a row, byte j holding checkpoint values 2j (low nibble) and
+#   2j + 1) is two K = 64 dots, one over the even values, one over the odd. A bf16 operand register
+#   then holds the low (or high) nibbles of bytes j and j + 1: one ``prmt`` spreads two bytes 16 bits
+#   apart, and one mask, one multiply (two shifted copies) and one mask build the pair, with no
+#   repacking of int16 halves (``mxfp4_tile_bf16`` interleaves the nibbles of one byte instead).
+#   Each output element depends on its own input byte and scale only, so the inline PTX is correct
+#   however Triton packs the elements.
+# * Lanes (``lane_order``): the MMA's A fragment gives lane t of a quad the K slots {2t, 2t+1,
+#   2t+8, 2t+9} of every 16. Relabelling slot j -> logical k so that lane t owns slots 16t .. 16t+15
+#   turns the 32 ``LDS.U8`` per 64 weight values of the byte-order kernel into ``LDS.128``
+#   (sm_90a SASS). Which lane owns which slots follows the operand layout (sm_90a wgmma, sm_12x
+#   mma.sync); the result does not, only the load width.
+# * Activations: decoded in checkpoint order as before, then permuted in registers to the same
+#   order (``act_halves``).
+# sm_90a SASS of the grouped FC2 K loop (16,128,128,4,3), per 64 weight values per thread: 266
+# instructions vs 358 (byte order, no F2) / 401 (F2) at 16,128,64,4,4 (``python -m
+# vllm_sm121.kernels.aot --sass-loop grouped --arch 90``).
+
+@triton.jit
+def lane_order(v, ROWS: tl.constexpr, NB: tl.constexpr):
+    """[ROWS, NB] in slot order (NB = 64 bytes of a 128-value step) -> logical K order: k bit 0 =
+    slot bit 0, k bits 1-2 = slot bits 4-5 (the lane of a quad), k bits 3-5 = slot bits 1-3."""
+    v = tl.reshape(v, [ROWS, 2, 2, NB // 8, 2])
+    return tl.reshape(tl.permute(v, (0, 3, 1, 2, 4)), [ROWS, NB])
+
+
+@triton.jit
+def mxfp4_halves_bf16(wq, ws, ROWS: tl.constexpr, NB: tl.constexpr, FP32: tl.constexpr, W_F2: tl.constexpr = True):
+    """wq [ROWS, NB] uint8 e2m1 pairs (NB = 64: one 128-value step) + ws [ROWS, NB/16] e8m0 ->
+    (even, odd) [ROWS, NB] bf16 (fp32 when FP32): the values of checkpoint K 2j and 2j + 1 of slot j,
+    in ``lane_order``; exactly ``mxfp4_tile_bf16``'s values (the same bits, factors and multiplies)."""
+    x = tl.maximum(ws.to(tl.int32), 1)
+    f1 = _bf16_bits((tl.minimum(x, 128) + 126) << 7, FP32)
+    f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], [ROWS, NB // 16, 16]), [ROWS, NB])
+    f2 = _bf16_bits((tl.maximum(x, 128) - 1) << 7, FP32)
+    f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], [ROWS, NB // 16, 16]), [ROWS, NB])
+    if FP32:
+        b = wq.to(tl.int32)
+        lo = _bf16_bits(((b & 7) << 6) | ((b & 8) << 12), True) * f1
+        hi = _bf16_bits(((b & 0x70) << 2) | ((b & 0x80) << 8), True) * f1
+        if W_F2:
+            lo = lo * f2
+            hi = hi * f2
+    elif W_F2:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t, m;
+            prmt.b32 t, $4, 0, 0x7170;
+            and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0;
+            mul.rn.bf16x2 m, m, $5; mul.rn.bf16x2 $0, m, $7;
+            and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0;
+            mul.rn.bf16x2 m, m, $5; mul.rn.bf16x2 $2, m, $7;
+            prmt.b32 t, $4, 0, 0x7372;
+            and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0;
+            mul.rn.bf16x2 m, m, $6; mul.rn.bf16x2 $1, m, $8;
+            and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0;
+            mul.rn.bf16x2 m, m, $6; mul.rn.bf16x2 $3, m, $8; }""",
+            constraints="=r,=r,=r,=r,r,r,r,r,r", args=[wq, f1, f2], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t, m;
+            prmt.b32 t, $4, 0, 0x7170;
+            and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $0, m, $5;
+            and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $2, m, $5;
+            prmt.b32 t, $4, 0, 0x7372;
+            and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $1, m, $6;
+            and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $3, m, $6; }""",
+            constraints="=r,=r,=r,=r,r,r,r", args=[wq, f1], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lane_order(lo, ROWS, NB), lane_order(hi, ROWS, NB)
+
+
+@triton.jit
+def act_halves(x, COLS: tl.constexpr):
+    """Activations [128, COLS] of one step in checkpoint K order -> (even, odd) [64, COLS] in the
+    logical order of ``mxfp4_halves_bf16``'s outputs."""
+    x = tl.reshape(x, [2, 2, 8, 2, 2, COLS])  # slot bits 5, 4, 3..1, 0; the half; cols
+    x = tl.permute(x, (2, 0, 1, 3, 5, 4))
+    return tl.split(tl.reshape(x, [64, COLS, 2]))
+
+
 @triton.jit
 def mxfp8_tile_bf16(aq, a_s, BLOCK_K: tl.constexpr, COLS: tl.constexpr, FP32: tl.constexpr):
     """aq [BLOCK_K, COLS] uint8 e4m3 (K-major: tokens are the MMA's N) + a_s [BLOCK_K/32, COLS] e8m0
