@@ -981,8 +981,8 @@ def test_grouped_tiles_table_env_and_align_check(monkeypatch):
     a = torch.zeros(40, 64).bfloat16()
     args = (torch.zeros(8, 128, 32, dtype=torch.uint8), torch.zeros(8, 128, 2, dtype=torch.uint8),
             torch.zeros(8, 128).bfloat16(), ids)
-    with pytest.raises(ValueError, match="block_m=16"):
-        K.moe_fc1_swiglu_grouped(a, None, *args, K.moe_align(ids, 8, 32), K.GroupedTiles(16, 64, 64, 4, 1))
+    with pytest.raises(ValueError, match="block_m=16"):  # (the torch map: CPU tensors without the interpreter too)
+        K.moe_fc1_swiglu_grouped(a, None, *args, K.moe_align_torch(ids, 8, 32), K.GroupedTiles(16, 64, 64, 4, 1))
 
 
 # ---- moe_align: the one-launch Triton tile map against its torch reference ---------------------
