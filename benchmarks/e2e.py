@@ -335,6 +335,15 @@ CONFIGS: tuple[Config, ...] = (
            "sm121-all-moe with the MoE's FMA GEMVs for M <= 4 only (M = 5-32 through the grouped GEMMs, "
            "before stop 38)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS", "0"))),
+    # Stop 41: the grouped GEMMs' halves decoder (M > 32 on sm_90, prefill) took M = 32 in 567.9 us vs 724.0 in
+    # checkpoint order, equal to the windowed FMA (566.3, uniform routing): with routing that reuses experts more
+    # than uniform, the grouped GEMMs (one read per 16-token tile) may win from fewer tokens on
+    Config("sm121-all-moe-window16", _all_on(),
+           "sm121-all-moe with the windowed FMA GEMVs up to M = 16 (17-32 through the grouped GEMMs, halves decoder)",
+           **OFF, env=(MOE_ON, ("VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS", "16"))),
+    Config("sm121-all-moe-bytes", _all_on(),
+           "sm121-all-moe with the grouped GEMMs' checkpoint-order weight decoder (before stop 41)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_MOE_GROUPED_HALVES", "0"))),
     # A/B of stop 34's TP default (--tensor-parallel-size 2): o_proj / MoE shares all-reduced in bf16 as upstream
     Config("sm121-all-moe-bf16reduce", _all_on(),
            "sm121-all-moe with upstream's bf16 all-reduces of the o_proj and MoE shares under TP / EP "
