@@ -407,6 +407,12 @@ def dense_specs(family: str) -> list[Spec]:
     specs.append(Spec(name="dense_fp8[qkv K2880, prefill]", fn=_dense_fp8_kernel,
                       constexprs=dict(prefill, K=2880, HAS_BIAS=True), ptr_types=ptrs,
                       num_warps=D.PREFILL_NUM_WARPS, num_stages=D.PREFILL_NUM_STAGES))
+    # gpt-oss's rotation in the MMA kernel's epilogue (stop 41): decode tiles (pairs of runs) and prefill
+    # tiles (BLOCK_N 128: whole heads of 64)
+    for sp in (specs[0], specs[-1]):
+        specs.append(dataclasses.replace(sp, name=sp.name[:-1] + ", rope]", ptr_types=dict(ptrs, pos_ptr="*i64",
+                                                                                           cs_ptr="*fp32"),
+                                         constexprs=dict(sp.constexprs, ROPE=True, ROPE_ROWS=72 * 64, HEAD=64)))
     # The FMA decode GEMV (M <= 4: one and four token accumulators, and two where the family has its own
     # two-token tile) with the family's tiles.
     fma_ptrs = dict(ptrs, x_ptr="*i64", w_ptr="*i32")

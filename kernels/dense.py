@@ -534,7 +534,11 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"dense FP8 path 'w8a8' (${DENSE_W8A8_MIN_M_ENV} or path='w8a8') is not supported "
                              f"here: {reason}; unset ${DENSE_W8A8_MIN_M_ENV} to use the MMA kernel")
         return _dense_w8a8(x, w, scale, bias)
-    gpu = _platform.family_of(x) != _platform.INTERPRETER
+    return _dense_mma(x, w, scale, bias, out)
+
+
+def _mma_tiles(x: torch.Tensor, m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the MMA kernel for M tokens, N rows, K."""
     if m <= DECODE_MAX_M:
         bm, bn, bk, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS,
                                      DECODE_NUM_STAGES)
@@ -543,13 +547,37 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                                      PREFILL_NUM_STAGES)
     if m <= DECODE_MAX_M and n >= WIDE_N and _platform.family_of(x) == _platform.SM90:
         bn, bk = WIDE_BLOCK_N, WIDE_BLOCK_K
-    if not gpu:  # the interpreter: small tiles keep CPU runs fast
+    if _platform.family_of(x) == _platform.INTERPRETER:  # small tiles keep CPU runs fast
         bn, bk = 16, 32
-    bk = min(bk, V._next_pow2(k))
+    return bm, bn, min(bk, V._next_pow2(k)), warps, stages
+
+
+def _rope_kwargs(rope) -> dict:
+    """The rotation's kernel arguments from ``rope`` = (positions, cos_sin_cache, rope_rows, head_size),
+    checked by ``dense_fp8_linear_rope`` (none for None)."""
+    if rope is None:
+        return {}
+    positions, cache, rope_rows, head = rope
+    return dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows, HEAD=head)
+
+
+def _mma_rope_fits(bn: int, rope_rows: int, head: int) -> bool:
+    """The MMA kernel can rotate in its epilogue with BLOCK_N = bn: pairs of runs inside one head's
+    halves (bn <= head) or whole heads (bn a multiple of head), rope_rows a multiple of bn."""
+    fits = (head // 2) % (bn // 2) == 0 if bn <= head else bn % head == 0
+    return bn >= 2 and fits and rope_rows % bn == 0
+
+
+def _dense_mma(x, w, scale, bias, out, rope=None) -> torch.Tensor:
+    """The MMA kernel into ``out``; ``rope`` = (positions, cos_sin_cache, rope_rows, head_size): the
+    rotation in its epilogue (``_mma_rope_fits`` of its BLOCK_N, checked by the caller)."""
+    (m, k), n = x.shape, w.shape[0]
+    bm, bn, bk, warps, stages = _mma_tiles(x, m, n, k)
     _dense_fp8_kernel[(-(-n // bn), -(-m // bm))](
         x, w.view(torch.uint8), scale, bias if bias is not None else scale, out, m, n, x.stride(0), out.stride(0),
-        K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, DOT_FP32=not gpu,
-        num_warps=warps, num_stages=stages)
+        K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None,
+        DOT_FP32=_platform.family_of(x) == _platform.INTERPRETER, num_warps=warps, num_stages=stages,
+        **_rope_kwargs(rope))
     return out
 
 
@@ -562,11 +590,7 @@ def _dense_fma(x, w, scale, bias, out, rope=None, kv=None, norm=None) -> torch.T
     except RuntimeError:
         xw = (x.contiguous() if not x.is_contiguous() else x.clone()).view(torch.int64)
     kw = min(tiles.kw, V._next_pow2(k // 4))
-    extra = {}
-    if rope is not None:  # (positions, cos_sin_cache, rope_rows, head_size), checked by dense_fp8_linear_rope
-        positions, cache, rope_rows, head = rope
-        extra = dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows,
-                     HEAD=head)
+    extra = _rope_kwargs(rope)
     if kv is not None:  # (k_pages, v_pages, slot_mapping), checked by dense_fp8_linear_rope
         kp, vp, slots = kv
         hkv = kp.shape[1]
@@ -615,16 +639,11 @@ def _dense_mmav(x, w, scale, bias, out, rope=None) -> torch.Tensor:
         cnt = split_counters(x.device, n_tiles, "dense")
     else:
         part = cnt = scale  # (unused)
-    extra = {}
-    if rope is not None:  # (positions, cos_sin_cache, rope_rows, head_size), checked by dense_fp8_linear_rope
-        positions, cache, rope_rows, head = rope
-        extra = dict(pos_ptr=positions, cs_ptr=cache, stride_cs=cache.stride(0), ROPE=True, ROPE_ROWS=rope_rows,
-                     HEAD=head)
     _dense_fp8_mmav_kernel[(n_tiles, split)](
         x, w.view(torch.uint8), scale, bias if bias is not None else scale, out, part, cnt, m, n, x.stride(0),
         out.stride(0), K=k, BLOCK_N=tiles.rows, BLOCK_K=min(tiles.kb, V._next_pow2(k)), SPLIT=split,
         HAS_BIAS=bias is not None, X_SHIFT=DENSE_MMAV_X_SHIFT, DOT_FP32=not gpu, BLOCK_T=block_t,
-        num_warps=mmav_num_warps(tiles, block_t), num_stages=tiles.num_stages, **extra)
+        num_warps=mmav_num_warps(tiles, block_t), num_stages=tiles.num_stages, **_rope_kwargs(rope))
     return out
 
 
@@ -678,10 +697,15 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                           kv=None if kv_write is None else (*kv_write[:2], kv_write[2][:m]), norm=norm)
     if norm is not None:  # (dense_fp8_linear_rope_norm calls with it on the FMA path only)
         raise ValueError("norm: the carried input norm runs on the FMA path only")
+    rope = (positions, cos_sin_cache, rope_rows, head_size)
     if path == "mmav" and m <= DENSE_MMAV_KERNEL_MAX_M and _rope_tiles_fit(dense_mmav_tiles(x), rope_rows, head_size):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         if m:  # the rotation in the GEMV's epilogue
-            out = _dense_mmav(x, w, scale, bias, out, rope=(positions, cos_sin_cache, rope_rows, head_size))
+            out = _dense_mmav(x, w, scale, bias, out, rope=rope)
+    elif path == "mma" and _mma_rope_fits(_mma_tiles(x, m, n, x.shape[1])[1], rope_rows, head_size):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        if m:  # the rotation in the MMA kernel's epilogue (stop 41; torch's ~10 kernels before)
+            out = _dense_mma(x, w, scale, bias, out, rope=rope)
     else:
         out = rope_neox_(dense_fp8_linear(x, w, scale, bias, path=path), positions, cos_sin_cache, rope_rows,
                          head_size)

@@ -375,15 +375,44 @@ def test_rope_in_the_fma_epilogue_matches_linear_then_rotation(m, cache_dtype, d
     assert float((diff == 0).float().mean()) > 0.97
 
 
+def _rotation_not_run_after(*args, **kwargs):
+    raise AssertionError("the rotation ran after the projection instead of in its epilogue")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m", [6, 20])
+@pytest.mark.parametrize("head", [8, 16, 64])
+def test_rope_in_the_mma_epilogue_matches_linear_then_rotation(m, head, device, monkeypatch):
+    """The MMA kernel with gpt-oss's NeoX rotation in its epilogue (stop 41; before, torch rotated its
+    output in ~10 kernels) against the same kernel unrotated, then ``rope_neox_``: at most one bf16
+    step apart, v rows untouched. Head sizes below, at and above the kernel's BLOCK_N (16 in the
+    interpreter): whole heads per program (8) and pairs of runs inside a head's halves (16, 64)."""
+    x, q, s, b, pos, cache, rope_rows = _rope_case(m, 4, 2, head, 64, device, 11 + m + head)
+    assert D._mma_rope_fits(D._mma_tiles(x, m, q.shape[0], 64)[1], rope_rows, head)
+    with monkeypatch.context() as mp:
+        mp.setattr(D, "rope_neox_", _rotation_not_run_after)
+        fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="mma")
+    plain = D.dense_fp8_linear(x, q, s, b, path="mma")
+    ref = D.rope_neox_(plain.clone(), pos, cache, rope_rows, head)
+    assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])
+    assert not torch.equal(ref[:, :rope_rows], plain[:, :rope_rows])
+    diff = (fused.float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all()), float(diff.max())
+    assert float((diff == 0).float().mean()) > 0.97
+    # a tile that does not fit (rope_rows not a multiple of BLOCK_N): the rotation after the projection
+    assert not D._mma_rope_fits(16, 24, 8) and not D._mma_rope_fits(128, 192, 48) and D._mma_rope_fits(128, 256, 64)
+
+
 @pytest.mark.interpreter
 def test_rope_off_the_fma_path_and_bad_input(device):
-    """More tokens than the FMA GEMV takes: the projection, then ``rope_neox_`` (same numbers as the
-    reference built from the unrotated projection); bad shapes are refused by name."""
+    """More tokens than the FMA GEMV takes: the MMA kernel with the rotation in its epilogue (the
+    reference: the unrotated projection, then ``rope_neox_``); bad shapes are refused by name."""
     head = 64
     x, q, s, b, pos, cache, rope_rows = _rope_case(6, 2, 1, head, 64, device, 3)
     out = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head)
     ref = D.rope_neox_(D.dense_fp8_linear(x, q, s, b), pos, cache, rope_rows, head)
-    assert torch.equal(out, ref)
+    diff = (out.float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all()), float(diff.max())
     for path in ("mmav", "mma"):  # the carried norm is the FMA epilogue's: refused elsewhere, never ignored
         with pytest.raises(ValueError, match="FMA path only"):
             D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path, norm=("bufs", 1e-5, None))
