@@ -63,10 +63,11 @@ def test_dense_mmav_selection_tiles_and_errors(device, monkeypatch):
     monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "0")  # off for every family
     assert [D.select_path(m, 5120, D._platform.SM90) for m in (1, 2, 3, 5)] == ["fma", "fma", "mma", "mma"]
     assert [D.mmav_block_t(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
-    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "32")  # the 32-wide tile: an A/B switch, not a default
+    monkeypatch.setenv(D.DENSE_MMAV_MAX_M_ENV, "16")  # the 16-wide tile only (stop 40's default)
+    assert [D.select_path(m, 5120, D._platform.SM90) for m in (2, 16, 17, 32)] == ["fma", "mmav", "mma", "mma"]
+    monkeypatch.delenv(D.DENSE_MMAV_MAX_M_ENV)  # since stop 41 the sm_90 default takes the 32-wide tile too
     assert [D.select_path(m, 5120, D._platform.SM90) for m in (2, 17, 32, 33)] == ["fma", "mmav", "mmav", "mma"]
-    monkeypatch.delenv(D.DENSE_MMAV_MAX_M_ENV)
-    assert D.select_path(17, 5120, D._platform.SM90) == "mma"
+    assert D.select_path(17, 5120, D._platform.SM12X) == "mma"
     x, q, s, b = _case(33, 16, 32, True, 1, device)
     with pytest.raises(ValueError, match="path='mmav' takes at most 32"):
         D.dense_fp8_linear(x, q, s, b, path="mmav")
