@@ -160,12 +160,14 @@ PATHS = ("auto", "fma", "mmav", "mma", "w8a8")
 # The kernel takes up to 32 tokens (a 32-wide token tile above 16, stop 40). Timed at stop 41 (H200,
 # d84142c, docs/dense-mmav32-h200-d84142c.json, µs at M = 17 / 24 / 32): qkv 14.6 / 14.9 / 15.0 vs
 # MMA 32.1-32.3, cuBLAS bf16 10.8-10.9, vLLM's cutlass W8A8 12.0-12.5; o 10.3 / 10.6 / 10.7 vs 43.6-43.8,
-# 12.3-12.8, 10.7-11.3; lm_head 259.9 / 257.9 / 252.4 vs MMA 250.5-252.9. The MMA kernel has no
-# rotation epilogue either (vLLM's torch rotation ran after it: ~25 µs per layer at batch 32 in the
-# stop-41 profile). So sm_90 takes mmav up to 32 tokens.
+# 12.3-12.8, 10.7-11.3; lm_head 259.9 / 257.9 / 252.4 vs MMA 250.5-252.9. (At d84142c the MMA kernel
+# had no rotation epilogue either: torch rotated after it, ~25 µs per layer at batch 32 in the stop-41
+# profile; it has one since.) So sm_90 takes mmav up to 32 tokens, the lm_head (N >= WIDE_N) up to 16
+# (DENSE_MMAV_WIDE_MAX_M_FAMILY: slower than MMA at 17-24 tokens).
 DENSE_MMAV_KERNEL_MAX_M = 32
 DENSE_MMAV_MAX_M = 0
 DENSE_MMAV_MAX_M_FAMILY = {_platform.SM90: 32}
+DENSE_MMAV_WIDE_MAX_M_FAMILY = {_platform.SM90: 16}
 DENSE_MMAV_MAX_M_ENV = "VLLM_SM121_DENSE_MMAV_MAX_M"
 # The activations go to fp16 as x * 2**-DENSE_MMAV_X_SHIFT (|x| < 2**(16 + shift) stays finite).
 DENSE_MMAV_X_SHIFT = 8
@@ -340,7 +342,8 @@ def select_path(m: int, n: int = 0, family: str = _platform.INTERPRETER, *, w8a8
     w8a8_min = V.env_int(DENSE_W8A8_MIN_M_ENV, DENSE_W8A8_MIN_M) if w8a8 else 0
     if 0 < w8a8_min <= m:  # an explicit opt-in wins over the mmav default
         return "w8a8"
-    mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, DENSE_MMAV_MAX_M_FAMILY.get(family, DENSE_MMAV_MAX_M))
+    table = DENSE_MMAV_WIDE_MAX_M_FAMILY if n >= WIDE_N else DENSE_MMAV_MAX_M_FAMILY
+    mmav_max = V.env_int(DENSE_MMAV_MAX_M_ENV, table.get(family, DENSE_MMAV_MAX_M))
     if 1 <= m <= min(mmav_max, DENSE_MMAV_KERNEL_MAX_M):
         return "mmav"
     return "mma"
@@ -563,9 +566,10 @@ def _rope_kwargs(rope) -> dict:
 
 def _mma_rope_fits(bn: int, rope_rows: int, head: int) -> bool:
     """The MMA kernel can rotate in its epilogue with BLOCK_N = bn: pairs of runs inside one head's
-    halves (bn <= head) or whole heads (bn a multiple of head), rope_rows a multiple of bn."""
-    fits = (head // 2) % (bn // 2) == 0 if bn <= head else bn % head == 0
-    return bn >= 2 and fits and rope_rows % bn == 0
+    halves (bn <= head, rope_rows a multiple of bn) or whole heads (bn a multiple of head)."""
+    if bn <= head:  # pairs of runs: every program all rotary or all not
+        return bn >= 2 and (head // 2) % (bn // 2) == 0 and rope_rows % bn == 0
+    return bn % head == 0  # whole heads: rows past rope_rows (a multiple of head) are left as they are
 
 
 def _dense_mma(x, w, scale, bias, out, rope=None) -> torch.Tensor:
@@ -661,8 +665,10 @@ def dense_fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     (gpt-oss's qkv_proj then ``rotary_emb(positions, q, k)``: q and k heads of ``head_size``, the
     rotation over the whole head, ``cos_sin_cache`` [max_position, head_size] = cos then sin halves).
 
-    On the FMA path (few tokens) the rotation runs in the GEMV's epilogue: no kernel of its own.
-    Elsewhere the projection's output is rotated afterwards (``rope_neox_``). Numerics as upstream's:
+    The rotation runs in the epilogue of the FMA GEMV, the tensor-core GEMV (mmav) and the MMA kernel
+    (stop 41) where their tiles pair the rotated rows (``_rope_tiles_fit``, ``_mma_rope_fits``): no
+    kernel of its own. Elsewhere (vLLM's W8A8 GEMM, tiles that do not fit) the projection's output is
+    rotated afterwards (``rope_neox_``). Numerics as upstream's:
     the bf16 projection rotated with the cache rounded to bf16, fp32 arithmetic, one bf16 rounding.
 
     ``kv_write=(k_pages, v_pages, slot_mapping)`` (``Nvfp4Pages`` of Hkv heads, int64 slots, -1 =

@@ -912,7 +912,9 @@ GROUPED_TILE_ENV = "VLLM_SM121_MOE_GROUPED_TILE"
 # The halves decoder (``moe_details/_mx.py``, stop 41): 128-value K steps as two K = 64 dots over the
 # even and the odd weight values, whose lanes read 16 contiguous bytes each (sm_90a SASS of FC2's K
 # loop: 266 instructions per 64 weight values vs 358-401 in checkpoint order). Replaces the tiles'
-# block_k by 128. Per family; $VLLM_SM121_MOE_GROUPED_HALVES (0 / 1, read at call time) overrides.
+# block_k by 128 (also a $VLLM_SM121_MOE_GROUPED_TILE's or a benchmarks/moe.py sweep's: their bk is
+# ignored while it is on; the stages stay the tile's). Per family; $VLLM_SM121_MOE_GROUPED_HALVES (0 / 1,
+# read at call time) overrides.
 GROUPED_HALVES: dict[str, bool] = {_platform.SM90: True, _platform.SM12X: True, _platform.INTERPRETER: True}
 GROUPED_HALVES_ENV = "VLLM_SM121_MOE_GROUPED_HALVES"
 HALVES_BLOCK_K = 128

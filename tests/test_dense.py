@@ -179,7 +179,7 @@ def test_dense_paths_and_selection(device, monkeypatch):
     sm90, sm12x = D._platform.SM90, D._platform.SM12X
     assert [D.select_path(m, 5120, sm90) for m in (0, 1, 2, 3, 16, 17, 32, 33)] == [
         "mma", "fma", "fma", "mmav", "mmav", "mmav", "mmav", "mma"]
-    assert [D.select_path(m, D.WIDE_N, sm90) for m in (1, 2, 16, 32, 33)] == ["fma", "mmav", "mmav", "mmav", "mma"]
+    assert [D.select_path(m, D.WIDE_N, sm90) for m in (1, 2, 16, 17, 32)] == ["fma", "mmav", "mmav", "mma", "mma"]
     assert [D.select_path(m, 5120, sm12x) for m in (1, 4, 5, 16)] == ["fma", "fma", "mma", "mma"]
     wide = D.WIDE_N  # lm_head: FMA only up to DENSE_FMA_WIDE_MAX_M tokens (timed on H100)
     assert [D.select_path(m, wide) for m in (1, 2)] == ["fma", "mma"]
@@ -381,13 +381,14 @@ def _rotation_not_run_after(*args, **kwargs):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m", [6, 20])
-@pytest.mark.parametrize("head", [8, 16, 64])
-def test_rope_in_the_mma_epilogue_matches_linear_then_rotation(m, head, device, monkeypatch):
+@pytest.mark.parametrize("head,heads_q", [(8, 4), (8, 3), (16, 4), (64, 4)])
+def test_rope_in_the_mma_epilogue_matches_linear_then_rotation(m, head, heads_q, device, monkeypatch):
     """The MMA kernel with gpt-oss's NeoX rotation in its epilogue (stop 41; before, torch rotated its
     output in ~10 kernels) against the same kernel unrotated, then ``rope_neox_``: at most one bf16
     step apart, v rows untouched. Head sizes below, at and above the kernel's BLOCK_N (16 in the
-    interpreter): whole heads per program (8) and pairs of runs inside a head's halves (16, 64)."""
-    x, q, s, b, pos, cache, rope_rows = _rope_case(m, 4, 2, head, 64, device, 11 + m + head)
+    interpreter): whole heads per program (8; with 3 q heads a program holds rotated and v rows) and
+    pairs of runs inside a head's halves (16, 64)."""
+    x, q, s, b, pos, cache, rope_rows = _rope_case(m, heads_q, 2, head, 64, device, 11 + m + head + heads_q)
     assert D._mma_rope_fits(D._mma_tiles(x, m, q.shape[0], 64)[1], rope_rows, head)
     with monkeypatch.context() as mp:
         mp.setattr(D, "rope_neox_", _rotation_not_run_after)
@@ -400,7 +401,8 @@ def test_rope_in_the_mma_epilogue_matches_linear_then_rotation(m, head, device, 
     assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all()), float(diff.max())
     assert float((diff == 0).float().mean()) > 0.97
     # a tile that does not fit (rope_rows not a multiple of BLOCK_N): the rotation after the projection
-    assert not D._mma_rope_fits(16, 24, 8) and not D._mma_rope_fits(128, 192, 48) and D._mma_rope_fits(128, 256, 64)
+    assert not D._mma_rope_fits(32, 48, 64) and not D._mma_rope_fits(128, 192, 48)
+    assert D._mma_rope_fits(128, 256, 64) and D._mma_rope_fits(128, 576, 64)  # (whole heads: TP=8's 9 heads too)
 
 
 @pytest.mark.interpreter

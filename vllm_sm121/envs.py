@@ -57,7 +57,7 @@ DECLARED: dict[str, tuple[str, str]] = {
     "VLLM_SM121_MOE_FMA_TILES": ("kernels/moe.py", "MoE FMA GEMV tiles"),
     "VLLM_SM121_MOE_FUSED_COMBINE": ("kernels/moe.py", "the combine inside FC2"),
     "VLLM_SM121_MOE_FUSED_ROUTE": ("kernels/moe.py", "the routing inside FC1"),
-    "VLLM_SM121_MOE_GROUPED_TILE": ("kernels/moe.py", "grouped-GEMM tile override"),
+    "VLLM_SM121_MOE_GROUPED_TILE": ("kernels/moe.py", "grouped-GEMM tile override (bk ignored under the halves decoder)"),
     "VLLM_SM121_MOE_GROUPED_HALVES": ("kernels/moe.py", "grouped GEMMs' halves weight decoder (0: checkpoint order)"),
     "VLLM_SM121_MOE_PDL": ("kernels/moe.py", "programmatic dependent launch for the MoE kernels"),
     "VLLM_SM121_MOE_SCALES_AHEAD": ("kernels/moe.py", "next K step's weight scales loaded ahead"),

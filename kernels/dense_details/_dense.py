@@ -13,8 +13,8 @@ Prefill runs the same kernel with larger BLOCK_M tiles (a dequantize-in-register
 import triton
 import triton.language as tl
 
-from ..kv_cache_details._codecs import store_rounded, to_bf16_rne
-from ._dense_fma import _rope_rows, _swap_halves
+from ..kv_cache_details._codecs import store_rounded
+from ._dense_fma import _rope_rows, _rotate
 
 
 def _launch_metadata(grid, kernel, args):
@@ -48,7 +48,7 @@ def _dense_fp8_kernel(
     HEAD: tl.constexpr = 64,  # BLOCK_N <= HEAD: HEAD / 2 a multiple of BLOCK_N / 2 (pairs of runs, _rope_rows);
     # BLOCK_N > HEAD: a multiple of HEAD (whole heads)
 ):
-    rot_j = tl.arange(0, BLOCK_N)  # (ROPE only)
+    rot_j = tl.arange(0, BLOCK_N)  # (placeholders, read under ROPE only)
     rot_sign = rot_j.to(tl.float32)
     if ROPE and BLOCK_N <= HEAD:
         rows, rot_j, rot_sign = _rope_rows(tl.program_id(0), ROPE_ROWS, HEAD, BLOCK_N)
@@ -82,24 +82,3 @@ def _dense_fp8_kernel(
     store_rounded(out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None], y,
                   mask=row_ok[:, None] & tok_ok[None, :])
 
-
-@triton.jit
-def _rotate(y, toks, tok_ok, rot_j, rot_sign, pos_ptr, cs_ptr, stride_cs, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_M: tl.constexpr):
-    """y [BLOCK_N rows, BLOCK_M tokens] fp32 -> the NeoX rotation of its rows with rot_j >= 0 (others
-    unchanged, as bf16). Partners: the other half of the program's rows (BLOCK_N <= HEAD, pairs of
-    runs) or of each whole head (BLOCK_N > HEAD)."""
-    pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
-    rot = rot_j >= 0
-    ok = rot[:, None] & tok_ok[None, :]
-    c_ptr = cs_ptr + pos[None, :] * stride_cs + rot_j[:, None]
-    c = to_bf16_rne(tl.load(c_ptr, mask=ok, other=1.0).to(tl.float32)).to(tl.float32)
-    sn = to_bf16_rne(tl.load(c_ptr + HEAD // 2, mask=ok, other=0.0).to(tl.float32)).to(tl.float32)
-    y = to_bf16_rne(y).to(tl.float32)
-    if BLOCK_N <= HEAD:
-        swapped = tl.reshape(_swap_halves(tl.reshape(y, [BLOCK_N * BLOCK_M]), BLOCK_N * BLOCK_M), [BLOCK_N, BLOCK_M])
-    else:
-        h = tl.permute(tl.reshape(y, [BLOCK_N // HEAD, 2, HEAD // 2, BLOCK_M]), (0, 2, 3, 1))
-        first, second = tl.split(h)
-        swapped = tl.reshape(tl.permute(tl.join(second, first), (0, 3, 1, 2)), [BLOCK_N, BLOCK_M])
-    return tl.where(rot[:, None], y * c + swapped * (sn * rot_sign[:, None]), y)

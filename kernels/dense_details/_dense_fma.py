@@ -156,6 +156,28 @@ def _swap_halves(y, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _rotate(y, toks, tok_ok, rot_j, rot_sign, pos_ptr, cs_ptr, stride_cs, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_M: tl.constexpr):
+    """y [BLOCK_N rows, BLOCK_M tokens] fp32 -> the NeoX rotation of its rows with rot_j >= 0 (others
+    unchanged, as bf16). Partners: the other half of the program's rows (BLOCK_N <= HEAD, pairs of
+    runs) or of each whole head (BLOCK_N > HEAD)."""
+    pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
+    rot = rot_j >= 0
+    ok = rot[:, None] & tok_ok[None, :]
+    c_ptr = cs_ptr + pos[None, :] * stride_cs + rot_j[:, None]
+    c = to_bf16_rne(tl.load(c_ptr, mask=ok, other=1.0).to(tl.float32)).to(tl.float32)
+    sn = to_bf16_rne(tl.load(c_ptr + HEAD // 2, mask=ok, other=0.0).to(tl.float32)).to(tl.float32)
+    y = to_bf16_rne(y).to(tl.float32)
+    if BLOCK_N <= HEAD:
+        swapped = tl.reshape(_swap_halves(tl.reshape(y, [BLOCK_N * BLOCK_M]), BLOCK_N * BLOCK_M), [BLOCK_N, BLOCK_M])
+    else:
+        h = tl.permute(tl.reshape(y, [BLOCK_N // HEAD, 2, HEAD // 2, BLOCK_M]), (0, 2, 3, 1))
+        first, second = tl.split(h)
+        swapped = tl.reshape(tl.permute(tl.join(second, first), (0, 3, 1, 2)), [BLOCK_N, BLOCK_M])
+    return tl.where(rot[:, None], y * c + swapped * (sn * rot_sign[:, None]), y)
+
+
+@triton.jit
 def _epilogue(acc, scale, bias, out_ptr, t, stride_om, rows, row_ok, HAS_BIAS: tl.constexpr, c=None, sn=None,
               ROPE: tl.constexpr = False, BLOCK_R: tl.constexpr = 1):
     y = (tl.sum(acc, axis=1) * OUT_SCALE) * scale

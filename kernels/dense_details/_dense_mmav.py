@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
-from ..kv_cache_details._codecs import store_rounded, to_bf16_rne
-from ._dense_fma import _rope_rows, _swap_halves
+from ..kv_cache_details._codecs import store_rounded
+from ._dense_fma import _rope_rows, _rotate
 
 
 
@@ -54,14 +54,7 @@ def _mmav_epilogue(acc, rows, row_ok, toks, tok_ok, scale_ptr, bias_ptr, out_ptr
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if ROPE:  # NeoX rotation of the bf16 projection, the cache rounded to bf16 (as upstream)
-        pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
-        ok = (rot_j >= 0)[:, None] & tok_ok[None, :]
-        c_ptr = cs_ptr + pos[None, :] * stride_cs + rot_j[:, None]
-        c = to_bf16_rne(tl.load(c_ptr, mask=ok, other=1.0).to(tl.float32)).to(tl.float32)
-        sn = to_bf16_rne(tl.load(c_ptr + HEAD // 2, mask=ok, other=0.0).to(tl.float32)).to(tl.float32)
-        y = to_bf16_rne(y).to(tl.float32)
-        swapped = tl.reshape(_swap_halves(tl.reshape(y, [BLOCK_N * BLOCK_T]), BLOCK_N * BLOCK_T), [BLOCK_N, BLOCK_T])
-        y = y * c + swapped * (sn * rot_sign[:, None])
+        y = _rotate(y, toks, tok_ok, rot_j, rot_sign, pos_ptr, cs_ptr, stride_cs, HEAD, BLOCK_N, BLOCK_T)
     store_rounded(out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None], y,
                   mask=row_ok[:, None] & tok_ok[None, :])
 

@@ -118,6 +118,7 @@ def _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, a_rows, a_ok, kb, K: tl.
     (transposed). HALVES (BLOCK_K = 128): two K = 64 dots over the even and the odd values
     (``_mx.py``, the halves decoder); else one dot in checkpoint order."""
     if HALVES:
+        tl.static_assert(BLOCK_K == 128, "the halves decoder takes 128-value K steps (BLOCK_K = 128)")
         offs_kb = kb + tl.arange(0, BLOCK_K // 2)
         wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
                      mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
@@ -150,7 +151,7 @@ def _moe_fc1_grouped_kernel(
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,  # pairs (tokens) per tile: the MMA's N, 16 .. 128
     BLOCK_N: tl.constexpr,  # SwiGLU outputs per program (multiple of 32): 2 * BLOCK_N weight rows (the MMA's M)
-    BLOCK_K: tl.constexpr,  # power of two >= 32
+    BLOCK_K: tl.constexpr,  # power of two >= 32 (HALVES: 128)
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     A_MXFP8: tl.constexpr,
@@ -209,7 +210,7 @@ def _moe_fc2_grouped_kernel(
     I: tl.constexpr,  # multiple of 64
     BLOCK_M: tl.constexpr,  # pairs per tile: the MMA's N
     BLOCK_N: tl.constexpr,  # rows of H per program: the MMA's M
-    BLOCK_K: tl.constexpr,  # power of two >= 32
+    BLOCK_K: tl.constexpr,  # power of two >= 32 (HALVES: 128)
     DOT_FP32: tl.constexpr,
     W_F2: tl.constexpr = True,  # as FC1's
     HALVES: tl.constexpr = False,  # as FC1's
