@@ -427,13 +427,21 @@ def header(device, copy_gbps) -> dict:
                 # the plugin's switches this run had (packed products, register cap, fusions, tiles, ...)
                 "sm121_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_SM121_")},
                 # what the FMA GEMVs multiply with here (packed fp16 is the GPU default since stop 25)
-                "fma_products": "packed fp16" if _fma_f16x2(device) else "exact fp32"}
+                "fma_products": "packed fp16" if _fma_f16x2(device) else "exact fp32",
+                # the grouped GEMMs' weight decoder (stop 41): "halves" replaces every tile's bk by 128
+                "grouped_decoder": "halves" if _grouped_halves(device) else "checkpoint order"}
 
 
 def _fma_f16x2(device) -> bool:
     from vllm_sm121.kernels.moe import fma_f16x2
 
     return fma_f16x2(torch.empty(0, device=device))
+
+
+def _grouped_halves(device) -> bool:
+    from vllm_sm121.kernels.moe import grouped_halves
+
+    return grouped_halves(torch.empty(0, device=device))
 
 
 def fma_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[dict]:
@@ -679,7 +687,8 @@ def main(argv=None) -> int:
     head["timing"] = (f"in-graph: {IN_GRAPH} (L2 flush, call) pairs in one graph minus {IN_GRAPH} flushes, per call"
                       if IN_GRAPH else "one call per graph replay after an L2 flush (host launch latency included)")
     print(f"device {head['device']}  copy bandwidth {copy_gbps or float('nan'):.0f} GB/s  commit {head['commit']}  "
-          f"shape H={args.hidden} I={args.inter} E={args.experts} top{args.topk}  timing: {head['timing']}")
+          f"shape H={args.hidden} I={args.inter} E={args.experts} top{args.topk}  timing: {head['timing']}  "
+          f"grouped decoder: {head['grouped_decoder']}")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     providers = {}
     for p in args.providers:
