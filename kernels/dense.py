@@ -542,15 +542,16 @@ def dense_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 def _mma_tiles(x: torch.Tensor, m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the MMA kernel for M tokens, N rows, K."""
+    family = _platform.family_of(x)
     if m <= DECODE_MAX_M:
         bm, bn, bk, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS,
                                      DECODE_NUM_STAGES)
     else:
         bm, bn, bk, warps, stages = (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS,
                                      PREFILL_NUM_STAGES)
-    if m <= DECODE_MAX_M and n >= WIDE_N and _platform.family_of(x) == _platform.SM90:
+    if m <= DECODE_MAX_M and n >= WIDE_N and family == _platform.SM90:
         bn, bk = WIDE_BLOCK_N, WIDE_BLOCK_K
-    if _platform.family_of(x) == _platform.INTERPRETER:  # small tiles keep CPU runs fast
+    if family == _platform.INTERPRETER:  # small tiles keep CPU runs fast
         bn, bk = 16, 32
     return bm, bn, min(bk, V._next_pow2(k)), warps, stages
 

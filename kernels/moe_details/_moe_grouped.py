@@ -76,15 +76,12 @@ def _scales(s_ptr, rows, row_ok, g0, K: tl.constexpr, BLOCK_K: tl.constexpr, ROW
 
 
 @triton.jit
-def _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_FP32: tl.constexpr, W_F2: tl.constexpr):
+def _weight_bytes(w_ptr, w_rows, row_ok, kb, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows ``w_rows`` of an MXFP4 matrix ([*, K/2] e2m1 pairs), bytes kb .. kb + BLOCK_K/2 (k from
-    2 * kb), with their scales ws [ROWS, BLOCK_K/32] -> exact [ROWS, BLOCK_K] bf16 (fp32 when
-    DOT_FP32); zeros past K."""
+    2 * kb): uint8 [ROWS, BLOCK_K/2], zeros past K."""
     offs_kb = kb + tl.arange(0, BLOCK_K // 2)
-    wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
-                 mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    return mxfp4_tile_bf16(wq, ws, ROWS, BLOCK_K, DOT_FP32, W_F2)
+    return tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
+                   mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
 
 
 @triton.jit
@@ -119,16 +116,14 @@ def _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, a_rows, a_ok, kb, K: tl.
     (``_mx.py``, the halves decoder); else one dot in checkpoint order."""
     if HALVES:
         tl.static_assert(BLOCK_K == 128, "the halves decoder takes 128-value K steps (BLOCK_K = 128)")
-        offs_kb = kb + tl.arange(0, BLOCK_K // 2)
-        wq = tl.load(w_ptr + w_rows[:, None] * (K // 2) + offs_kb[None, :],
-                     mask=row_ok[:, None] & (offs_kb[None, :] < K // 2), other=0)
+        wq = _weight_bytes(w_ptr, w_rows, row_ok, kb, K, BLOCK_K)
         w_even, w_odd = mxfp4_halves_bf16(wq, ws, ROWS, BLOCK_K // 2, DOT_FP32, W_F2)
         a_even, a_odd = act_halves(_act_tile_t(a_ptr, a_s, a_rows, a_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8,
                                                DOT_FP32), BLOCK_M)
         acc = tl.dot(w_even, a_even, acc)
         return tl.dot(w_odd, a_odd, acc)
     else:
-        w = _weight_tile(w_ptr, ws, w_rows, row_ok, kb, K, ROWS, BLOCK_K, DOT_FP32, W_F2)
+        w = mxfp4_tile_bf16(_weight_bytes(w_ptr, w_rows, row_ok, kb, K, BLOCK_K), ws, ROWS, BLOCK_K, DOT_FP32, W_F2)
         a = _act_tile_t(a_ptr, a_s, a_rows, a_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8, DOT_FP32)
         return tl.dot(w, a, acc)
 

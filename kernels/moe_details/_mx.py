@@ -136,8 +136,10 @@ def mxfp4_halves_bf16(wq, ws, ROWS: tl.constexpr, NB: tl.constexpr, FP32: tl.con
     x = tl.maximum(ws.to(tl.int32), 1)
     f1 = _bf16_bits((tl.minimum(x, 128) + 126) << 7, FP32)
     f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], [ROWS, NB // 16, 16]), [ROWS, NB])
-    f2 = _bf16_bits((tl.maximum(x, 128) - 1) << 7, FP32)
-    f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], [ROWS, NB // 16, 16]), [ROWS, NB])
+    f2 = f1  # (W_F2 only)
+    if W_F2:
+        f2 = _bf16_bits((tl.maximum(x, 128) - 1) << 7, FP32)
+        f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], [ROWS, NB // 16, 16]), [ROWS, NB])
     if FP32:
         b = wq.to(tl.int32)
         lo = _bf16_bits(((b & 7) << 6) | ((b & 8) << 12), True) * f1
