@@ -341,6 +341,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-window16", _all_on(),
            "sm121-all-moe with the windowed FMA GEMVs up to M = 16 (17-32 through the grouped GEMMs, halves decoder)",
            **OFF, env=(MOE_ON, ("VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS", "16"))),
+    # Stop 42 made 16 the sm_90 default (batch 32: 13.44 vs 17.83 ms/step windowed): the stop-39..41 default, for A/B runs
+    Config("sm121-all-moe-window32", _all_on(),
+           "sm121-all-moe with the windowed FMA GEMVs up to M = 32 (the sm_90 default of stops 39-41)",
+           **OFF, env=(MOE_ON, ("VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS", "32"))),
     Config("sm121-all-moe-bytes", _all_on(),
            "sm121-all-moe with the grouped GEMMs' checkpoint-order weight decoder (before stop 41)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_GROUPED_HALVES", "0"))),

@@ -22,7 +22,7 @@ Architecture
     token's e4m3 activations (decoded the same way) and reduces with ``tl.sum``; a slot whose
     expert an earlier slot has exits. Tiles per family in FMA_TILES, overridable at call time
     with $VLLM_SM121_MOE_FMA_TILES; ``select_path`` picks the path from M and the device (on sm_90
-    also M <= 32, each program serving up to 4 of its expert's tokens: FMA_WINDOW_MAX_TOKENS).
+    also M <= 16, each program serving up to 4 of its expert's tokens: FMA_WINDOW_MAX_TOKENS).
 
     Decode (bandwidth-bound grouped GEMVs, 4 launches): ``moe_route`` also quantizes bf16 x to
     MXFP8; FC1 and FC2 run one program per (routed slot, row tile, block of 16 tokens) -- a slot
@@ -903,7 +903,12 @@ GROUPED_TILES: dict[str, tuple[tuple[float, GroupedTiles], ...]] = {
     # H100 at 8e7d4de, 6 tiles x M = 1..4096 (docs/moe-grouped-sweep-h100-8e7d4de.json): 64-wide K
     # steps with 4 warps win everywhere (fewer registers, more CTAs per SM); 16-token tiles up to
     # M = 64, 32-token tiles at M = 512 and 4096 (where 64/128-token tiles lost 1.1-2.9x)
-    _platform.SM90: ((12, GroupedTiles(16, 128, 64, 4, 4)), (float("inf"), GroupedTiles(32, 128, 64, 4, 4))),
+    # H200 at c27ad1a with the halves decoder (its BLOCK_K 128; docs/moe-grouped-sweep-h200-c27ad1a.json,
+    # 7 tiles at M = 64 / 512 / 2048): 16-token tiles at M = 64 (795 us vs 961 for 32), 32 at M = 512
+    # (1,161 vs 1,225 for 16, 1,716 for 64), 64 tokens with 8 warps at M = 2048 (2,539 vs 2,641 for 32,
+    # 3,151 for 128); the 32 / 64 bound is 0.75 * 64 as the 16 / 32 one (no point between was timed)
+    _platform.SM90: ((12, GroupedTiles(16, 128, 64, 4, 4)), (48, GroupedTiles(32, 128, 64, 4, 4)),
+                     (float("inf"), GroupedTiles(64, 128, 128, 8, 3))),
     # sm_12x: the H100 choice with 2 stages (no GB10 to time it; ~99 KB of shared memory per block)
     _platform.SM12X: ((12, GroupedTiles(16, 128, 64, 4, 2)), (float("inf"), GroupedTiles(32, 128, 64, 4, 2))),
     _platform.INTERPRETER: ((12, GroupedTiles(16, 64, 64, 4, 1)), (float("inf"), GroupedTiles(32, 64, 64, 4, 1))),
@@ -1054,8 +1059,14 @@ FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
 #   GEMVs less so. H200, same run (39c665f, docs/moe-window-h200-39c665f.json, gpt-oss-120b layer,
 #   random routing): windowed M = 5 / 8 / 16 / 32 / 64 took 142.6 / 206.1 / 344.0 / 566.3 / 1032.9 us
 #   vs 238.4 / 316.0 / 466.3 / 723.2 / 1014.1 us grouped (vLLM's triton_kernels 136.6 / 192.2 /
-#   289.2 / 431.7 / 603.1), hence 32. (Stop 38's chunks, 318e2f3: 147.6 / 221.8 / 439.9 / 855.2 at
+#   289.2 / 431.7 / 603.1), hence 32 at stop 39. (Stop 38's chunks, 318e2f3: 147.6 / 221.8 / 439.9 / 855.2 at
 #   M = 5 / 8 / 16 / 32.)
+#   Stop 42 (c27ad1a, gpt-oss-120b end to end, --random-router, one H200): with the grouped GEMMs' halves
+#   decoder (stop 41) and routing that follows the tokens (experts reused more than uniformly), batch 32 ran
+#   13.44-13.75 ms/step through the grouped GEMMs vs 17.83 windowed; batch 8 7.02-7.08 windowed vs 7.57
+#   grouped (docs/e2e-120b-window-h200-c27ad1a.json; the 16 A/B next to upstream in
+#   docs/e2e-120b-window16-h200-c27ad1a.json): hence 16 (uniform routing at M = 16: 342.9 us
+#   windowed vs 367.2 grouped, stop 41).
 # * sm_12x: 0 (the grouped GEMMs from M = 5). Not timed (no GB10); an estimate: GB10 has ~0.44x an
 #   H200's instruction rate but 273 GB/s, so both paths would be bound by the bytes they read
 #   there (M = 8 grouped: ~0.7 ms of instructions vs ~1.7 ms of DRAM time at 85% of 273 GB/s).
@@ -1063,7 +1074,7 @@ FMA_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_MAX_TOKENS"
 #   routing; dummy weights send every token to the same 4) is read once per 4 of them here and
 #   once per 16 by the grouped GEMMs.
 # $VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS (read at call time) overrides it (A/B runs; 0: off).
-FMA_WINDOW_MAX_TOKENS: dict[str, int] = {_platform.SM90: 32, _platform.SM12X: 0, _platform.INTERPRETER: 0}
+FMA_WINDOW_MAX_TOKENS: dict[str, int] = {_platform.SM90: 16, _platform.SM12X: 0, _platform.INTERPRETER: 0}
 FMA_WINDOW_MAX_TOKENS_ENV = "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS"
 # H100 at 8e7d4de (docs/moe-grouped-sweep-h100-8e7d4de.json): the swap-AB grouped GEMMs take
 # M = 8 in 375 us against 675 us for the dot_scaled decode GEMVs, which keep M <= 4 only (122 us

@@ -250,7 +250,10 @@ def test_configs_table():
                  "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes", "sm121-all-moe-normqkv",
                  "sm121-all-moe-normf16", "sm121-all-moe-nonorm", "sm121-all-moe-f16word",
                  "sm121-all-moe-bf16reduce", "sm121-all-moe-nowindow", "sm121-all-moe-nommav",
-                 "sm121-all-moe-w8a8pf", "sm121-all-moe-window16", "sm121-all-moe-bytes")
+                 "sm121-all-moe-w8a8pf", "sm121-all-moe-window16", "sm121-all-moe-bytes", "sm121-all-moe-window32")
+    # stop 42: the window's old default (32) for A/B runs against the new one (16)
+    assert dict(by["sm121-all-moe-window32"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
+                                                      "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS": "32"}
     # stop 41: the grouped GEMMs' halves decoder and a shorter FMA window, each against the default
     assert dict(by["sm121-all-moe-window16"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
                                                       "VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS": "16"}

@@ -309,17 +309,17 @@ def test_fma_tiles_parse_env_and_path_selection(monkeypatch):
     assert K.select_path(1) == "decode"
     monkeypatch.setenv(K.FMA_MAX_TOKENS_ENV, "99")  # capped at what the kernels take
     assert K.select_path(K.FMA_KERNEL_MAX_TOKENS + 1) == "grouped"
-    # windowed FMA: per family (sm_90 up to 32 tokens, timed; sm_12x and the interpreter off), on for M up
+    # windowed FMA: per family (sm_90 up to 16 tokens, timed end to end; sm_12x and the interpreter off), on for M up
     # to its limit while the FMA path is on; the environment overrides every family, up to one launch's tokens
     monkeypatch.delenv(K.FMA_MAX_TOKENS_ENV)
     monkeypatch.delenv(K.FMA_WINDOW_MAX_TOKENS_ENV, raising=False)
-    assert K.FMA_WINDOW_MAX_TOKENS == {P.SM90: 32, P.SM12X: 0, P.INTERPRETER: 0}
+    assert K.FMA_WINDOW_MAX_TOKENS == {P.SM90: 16, P.SM12X: 0, P.INTERPRETER: 0}
     assert K.fma_window_max_tokens() == 0 and K.fma_window_max_tokens(cpu) == 0
     assert [K.select_path(m, cpu) for m in (4, 5)] == ["fma", "grouped"]
     with monkeypatch.context() as mp:  # a tensor on an sm_90 / sm_12x device, as the platform sees it
         for family, want in ((P.SM90, ["fma", "fma", "fma", "grouped"]), (P.SM12X, ["fma", "grouped", "grouped", "grouped"])):
             mp.setattr(P, "family_of", lambda t, f=family: f)
-            assert [K.select_path(m, cpu) for m in (4, 5, 32, 33)] == want, family
+            assert [K.select_path(m, cpu) for m in (4, 5, 16, 17)] == want, family
     with monkeypatch.context() as mp:
         mp.setenv(K.FMA_WINDOW_MAX_TOKENS_ENV, "1000")
         assert K.fma_window_max_tokens(cpu) == K.FMA_LAUNCH_MAX_TOKENS == 64
@@ -963,8 +963,10 @@ def test_grouped_tiles_table_env_and_align_check(monkeypatch):
     # BLOCK_M from the average pairs per expert: small batches get 16-token tiles
     assert K.grouped_tiles(torch.empty(0), 8, 4, 128).block_m == 16
     assert K.grouped_tiles(torch.empty(0), 512, 4, 4).block_m == 32
-    sm90 = {avg: next(t for b, t in K.GROUPED_TILES[P.SM90] if avg <= b).block_m for avg in (0.25, 16, 40, 128)}
-    assert sm90 == {0.25: 16, 16: 32, 40: 32, 128: 32}  # the H100 sweep's choice (kernels/moe.py)
+    sm90 = {avg: next(t for b, t in K.GROUPED_TILES[P.SM90] if avg <= b)
+            for avg in (0.25, 12, 16, 40, 48, 64, 128)}  # the H200 sweep's choice with the halves decoder (kernels/moe.py)
+    assert {avg: t.block_m for avg, t in sm90.items()} == {0.25: 16, 12: 16, 16: 32, 40: 32, 48: 32, 64: 64, 128: 64}
+    assert sm90[64].num_warps == 8  # 4 warps spill at 64 tokens (sm_90a SASS, stop 41)
     assert all(t.num_stages == 2 for _, t in K.GROUPED_TILES[P.SM12X])  # ~99 KB of shared memory on GB10
     # the override: any M, parsed at call time; errors name the variable
     monkeypatch.setenv(K.GROUPED_TILE_ENV, "32,128,64,8,2")
