@@ -116,6 +116,10 @@ def parse_args(argv=None):
                          "the norm kernel, at each M")
     ap.add_argument("--grouped-tiles", default="",
                     help="grouped (prefill) tile sweep: 'bm,bn,bk,warps,stages;...'")
+    ap.add_argument("--grouped-f2", choices=("auto", "on"), default="auto",
+                    help="the grouped GEMMs' second scale multiply: auto (default) registers the weights' scales "
+                         "as the plugin's MoE method does at load (F2 dropped: these scales are <= 128); on keeps "
+                         "it (A/B)")
     ap.add_argument("--in-graph", type=int, default=0, metavar="N",
                     help="time N (L2 flush, call) pairs in one graph minus N flushes (no host launch latency "
                          "in the numbers); 0 (default): one call per graph replay, host launch latency included")
@@ -561,15 +565,16 @@ def grouped_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[di
     def parts(spec, x, logits, xq, xs, topk_ids, topk_w):
         tiles = K.GroupedTiles.parse(spec)
         align = K.moe_align(topk_ids, args.experts, tiles.block_m)
+        f2_13, f2_2 = K.weight_scales_f2(w["w13_weight_scale"]), K.weight_scales_f2(w["w2_weight_scale"])
         h, hs = K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"], topk_ids,
-                                         align, tiles)
+                                         align, tiles, w_f2=f2_13)
         return (("block", lambda: K.moe_block(x, logits, w["w13_weight"], w["w13_weight_scale"], w["w13_bias"],
                                               w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], args.topk,
                                               path="grouped")),
                 ("fc1", lambda: K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"],
-                                                         w["w13_bias"], topk_ids, align, tiles)),
+                                                         w["w13_bias"], topk_ids, align, tiles, w_f2=f2_13)),
                 ("fc2", lambda: K.moe_fc2_grouped(h, hs, w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], topk_ids,
-                                                  topk_w, align, tiles)))
+                                                  topk_w, align, tiles, w_f2=f2_2, nan_scales=not f2_13)))
 
     return _tile_sweep(args, w, device, flush, copy_gbps, parts, name="grouped", provider="sm121_grouped_tile",
                        env=K.GROUPED_TILE_ENV, specs=args.grouped_tiles, ms=[m for m in args.m if m > 0],
@@ -680,15 +685,22 @@ def main(argv=None) -> int:
     from vllm_sm121.kernels.moe import moe_block_torch, moe_route_torch
 
     weights = make_weights(args, device)
+    if args.grouped_f2 == "auto":  # as Sm121Mxfp4MoEMethod.process_weights_after_loading
+        from vllm_sm121.kernels.moe import register_weight_scales
+
+        register_weight_scales(weights["w13_weight_scale"], weights["w2_weight_scale"])
     copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
     head = header(device, copy_gbps)
+    from vllm_sm121.kernels.moe import weight_scales_f2
+
+    head["grouped_f2"] = [weight_scales_f2(weights[k]) for k in ("w13_weight_scale", "w2_weight_scale")]
     global IN_GRAPH
     IN_GRAPH = args.in_graph
     head["timing"] = (f"in-graph: {IN_GRAPH} (L2 flush, call) pairs in one graph minus {IN_GRAPH} flushes, per call"
                       if IN_GRAPH else "one call per graph replay after an L2 flush (host launch latency included)")
     print(f"device {head['device']}  copy bandwidth {copy_gbps or float('nan'):.0f} GB/s  commit {head['commit']}  "
           f"shape H={args.hidden} I={args.inter} E={args.experts} top{args.topk}  timing: {head['timing']}  "
-          f"grouped decoder: {head['grouped_decoder']}")
+          f"grouped decoder: {head['grouped_decoder']} (F2 multiply FC1 / FC2: {head['grouped_f2']})")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     providers = {}
     for p in args.providers:

@@ -371,19 +371,21 @@ def moe_specs(family: str) -> list[Spec]:
                 name=f"moe_fc1_grouped[gpt-oss K2880 I2880 top4, {'mxfp8' if a_mxfp8 else 'bf16'} in, tile {t.spec()}]",
                 fn=_moe_fc1_grouped_kernel,
                 constexprs=dict(K=2880, I=2880, TOPK=4, BLOCK_M=t.block_m, BLOCK_N=t.block_n // 2, BLOCK_K=t.block_k,
-                                ALPHA=1.702, LIMIT=7.0, A_MXFP8=a_mxfp8, DOT_FP32=False, HW_FP8=True) | halves,
+                                ALPHA=1.702, LIMIT=7.0, A_MXFP8=a_mxfp8, DOT_FP32=False, HW_FP8=True,
+                                W_F2=False) | halves,
                 ptr_types=dict(a_ptr="*u8" if a_mxfp8 else "*bf16", a_scale_ptr="*u8", out_ptr="*u8",
                                out_scale_ptr="*u8", **grouped), num_warps=t.num_warps, num_stages=t.num_stages))
         specs.append(Spec(
             name=f"moe_fc2_grouped[gpt-oss H2880 I2880, tile {t.spec()}]", fn=_moe_fc2_grouped_kernel,
             constexprs=dict(H=2880, I=2880, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                            DOT_FP32=False) | halves,
+                            DOT_FP32=False, W_F2=False, NAN_SCALES=True) | halves,
             ptr_types=dict(h_ptr="*u8", h_scale_ptr="*u8", topk_w_ptr="*fp32", out_ptr="*fp32", **grouped),
             num_warps=t.num_warps, num_stages=t.num_stages))
-    # the launchers' w_f2=False (every weight scale byte <= 128: one multiply per pair fewer), first tile
+    # The table's tiles as the plugin launches them for registered checkpoint scales (kernels.moe.
+    # register_weight_scales: no F2 multiply, guarded); with F2 (unregistered scales), first tile
     first = [sp for sp in specs if sp.name.startswith(("moe_fc1_grouped", "moe_fc2_grouped"))][:2]
-    specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", no F2]", constexprs=dict(sp.constexprs, W_F2=False))
-              for sp in first]
+    specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", F2]", constexprs=dict(
+        sp.constexprs, W_F2=True, **({"NAN_SCALES": False} if "NAN_SCALES" in sp.constexprs else {}))) for sp in first]
     if halves:  # the checkpoint-order decoder ($VLLM_SM121_MOE_GROUPED_HALVES=0), first tile
         specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bytes]",
                                       constexprs=dict(sp.constexprs, BLOCK_K=tiles[0].block_k, HALVES=False))

@@ -960,6 +960,35 @@ def _grouped_align(align, topk_ids: torch.Tensor, e: int, tiles: GroupedTiles):
     return align
 
 
+# Expert weight-scale tensors known to hold no e8m0 byte above 128, as (data_ptr, numel, device) keys:
+# their grouped GEMMs run without the F2 multiply (``register_weight_scales``; sm_90a SASS of the K loop
+# at 16,128,64,4,4: FC1 605 -> 518, FC2 616 -> 531 instructions). An unknown tensor keeps F2 (exact for
+# every byte). A stale entry (weights reloaded in place with larger scales, or a reused address) cannot
+# give wrong finite values: the kernels then track the largest scale byte and write NaN (FC2's output,
+# FC1's e8m0 scales, which FC2 turns into NaN) for the tiles whose weights needed F2.
+_F2_FREE_SCALES: set[tuple[int, int, str]] = set()
+
+
+def _scales_key(w_scale: torch.Tensor) -> tuple[int, int, str]:
+    return (w_scale.data_ptr(), w_scale.numel(), str(w_scale.device))
+
+
+def register_weight_scales(*w_scales: torch.Tensor) -> tuple[bool, ...]:
+    """Record, for each expert weight-scale tensor, whether its grouped GEMMs need the F2 multiply
+    (``weight_scales_need_f2``: one host sync each; for ``process_weights_after_loading``, when the
+    weights are final). Returns the decisions (True: F2 kept)."""
+    need = tuple(weight_scales_need_f2(s) for s in w_scales)
+    for s, n in zip(w_scales, need):
+        (_F2_FREE_SCALES.discard if n else _F2_FREE_SCALES.add)(_scales_key(s))
+    return need
+
+
+def weight_scales_f2(w_scale: torch.Tensor) -> bool:
+    """Whether the grouped GEMMs over ``w_scale`` keep the F2 multiply: unless ``register_weight_scales``
+    found all its bytes <= 128."""
+    return _scales_key(w_scale) not in _F2_FREE_SCALES
+
+
 def weight_scales_need_f2(w_scale: torch.Tensor) -> bool:
     """Whether some e8m0 byte of ``w_scale`` exceeds 128 (a block scale above 2): only then do the
     grouped GEMMs' weight decoders need their second power-of-two factor (``mxfp4_tile_bf16``'s
@@ -978,7 +1007,9 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     ``grouped_tiles(a, M, topk, E)``. bf16 ``a`` is quantized to MXFP8 and back in
     registers by every program (``moe_block`` quantizes once, in the routing launch, instead).
     ``w_f2=False``: the caller knows every byte of ``w13_scale`` is <= 128 (``weight_scales_need_f2``)
-    and the weight decoder skips its second multiply (the same values; wrong above 128).
+    and the weight decoder skips its second multiply (the same values). Guarded: a tile whose weights
+    hold a larger byte writes e8m0 NaN (255) as its output scales, which ``moe_fc2_grouped(...,
+    nan_scales=True)`` turns into NaN outputs (never a wrong finite value).
     """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     mxfp8 = a.dtype != torch.bfloat16
@@ -1020,9 +1051,11 @@ def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[
 
 def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None,
                     tiles: GroupedTiles | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                    w_f2: bool = True) -> torch.Tensor:
+                    w_f2: bool = True, nan_scales: bool = False) -> torch.Tensor:
     """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H], or fp32 for
-    ``out_dtype``); ``align``, ``tiles`` and ``w_f2`` (for ``w2_scale``) as in ``moe_fc1_swiglu_grouped``."""
+    ``out_dtype``); ``align``, ``tiles`` and ``w_f2`` (for ``w2_scale``) as in ``moe_fc1_swiglu_grouped``
+    (``w_f2=False`` guarded the same way: NaN outputs for a tile whose weights needed F2).
+    ``nan_scales``: an ``h_scale`` byte 255 (FC1's guard) makes its pair's output NaN."""
     out_dtype = _out_dtype(out_dtype)
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     tiles = tiles or grouped_tiles(h, m, topk, e)
@@ -1034,7 +1067,7 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
             h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
             H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
             DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=w_f2, HALVES=halves,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            NAN_SCALES=nan_scales, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
     return part.sum(1).to(out_dtype)
 
@@ -1190,8 +1223,10 @@ def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias
     # (m * topk / E on average), and the same tiles as at EP = 1 keep the same summation order
     tiles = grouped_tiles(x, m, topk, expert_map.numel() if expert_map is not None else w13.shape[0])
     align = moe_align(topk_ids, w13.shape[0], tiles.block_m) if m else None
-    h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles)
-    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles, out_dtype), False
+    f2_13, f2_2 = weight_scales_f2(w13_scale), weight_scales_f2(w2_scale)  # register_weight_scales
+    h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles, w_f2=f2_13)
+    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles, out_dtype, w_f2=f2_2,
+                           nan_scales=not f2_13), False
 
 
 def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,

@@ -197,6 +197,8 @@ for step in "$@"; do
                python3 -m pytest -q -m gpu tests/test_moe_block.py -k "gpt_oss_shapes" -p no:cacheprovider 2>&1 | tail -n 3 | tee -a "$OUT/moehalves_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || fail=1
                for v in 1 0; do echo "VLLM_SM121_MOE_GROUPED_HALVES=$v"; [ $v = 1 ] && pr=${MOE_PROVIDERS:-sm121_grouped,sm121_fma,triton} || pr=sm121_grouped
                  VLLM_SM121_MOE_GROUPED_HALVES=$v python3 benchmarks/moe.py --m ${MOE_M:-8,16,32,64,512,2048} --providers $pr --out "$OUT/moe_halves$v.json" 2>&1 | tee "$OUT/moehalves$v.log" | grep -v "^INFO\|^WARNING" | tail -n 14 || fail=1; done; (exit $fail) ;;
+    moef2) fail=0; for f in auto on; do echo "--grouped-f2 $f"; [ $f = auto ] && pr=${MOE_PROVIDERS:-sm121_grouped,triton} || pr=sm121_grouped  # stop 42: the grouped GEMMs without the F2 multiply (registered scales, the default) vs with it
+             python3 benchmarks/moe.py --m ${MOE_M:-32,64,512,2048} --providers $pr --grouped-f2 $f --out "$OUT/moe_f2_$f.json" 2>&1 | tee "/tmp/moef2_$f.log" | grep -v "^INFO\|^WARNING" | tail -n 12; [ "${PIPESTATUS[0]}" = 0 ] || fail=1; done; (exit $fail) ;;
     moewsweep) python3 benchmarks/moe.py --m ${MOE_M:-8,16,32} --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,3;64,256,32,256,4,2;64,256,32,256,8,3;128,256,64,256,4,3;64,128,32,128,4,3}" --out "$OUT/moe_window_sweep.json" 2>&1 | tee "$OUT/moewsweep.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # FMA tiles of the windowed launches (M > 4)
     windowtests) python3 -m pytest -q -s tests/test_moe.py -k "windows or fma_block_path" --device cuda -p no:cacheprovider > "$OUT/windowtests.log" 2>&1; r1=$?
                  tail -n 5 "$OUT/windowtests.log"

@@ -89,6 +89,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _forget_registered_moe_scales():
+    """Expert weight scales registered as F2-free (``kernels.moe.register_weight_scales``, e.g. by a MoE
+    method test's load step) are keyed by address: forgotten after each test, so that a later test's
+    tensor at a reused address keeps the F2 multiply."""
+    yield
+    import sys
+
+    moe = sys.modules.get("vllm_sm121.kernels.moe")
+    if moe is not None:
+        moe._F2_FREE_SCALES.clear()
+
+
 @pytest.fixture
 def exact_moe_products(monkeypatch):
     """Pin the MoE FMA GEMVs to the exact fp32 products ($VLLM_SM121_MOE_FMA_F16X2=0) for tests that

@@ -918,13 +918,52 @@ def test_grouped_weight_f2_switch(device, grouped_decoder):
     ref = K.moe_fc2_combine_torch(h, h_scale, w2, w2_scale, b2, topk_ids, topk_w)
     assert close(run(w2_scale, False), ref) and close(run(w2_scale, True), ref)
     high = w2_scale.clone()
-    high[topk_ids.flatten().long(), 0, 0] = 131  # a routed expert's block above 2
+    expert = next(x for x in range(e) if 0 < int((topk_ids == x).any(1).sum()) < m)  # routed from some tokens
+    hit = (topk_ids == expert).any(1)
+    high[expert, 0, 0] = 131  # a routed expert's block above 2
     assert K.weight_scales_need_f2(dev(high)) is True
     ref = K.moe_fc2_combine_torch(h, h_scale, w2, high, b2, topk_ids, topk_w)
     assert close(run(high, True), ref)
-    assert not close(run(high, False), ref)
+    out = run(high, False)  # guarded: NaN where a tile's weights needed F2, never a wrong finite value
+    nan = torch.isnan(out)
+    assert nan[hit].any(1).all() and not nan[~hit].any() and (~hit).any()
+    assert close(out[~hit], ref[~hit])
     with torch.inference_mode():  # no sync-free shortcut, no version counter needed
         assert K.weight_scales_need_f2(high.view(torch.int8)) is True  # read as e8m0 bytes whatever the view
+
+
+def test_grouped_block_drops_f2_for_registered_scales_and_guards_stale_ones(device, monkeypatch):
+    """``register_weight_scales`` (the MoE method's load step): scales whose bytes are all <= 128 run the
+    grouped GEMMs without the F2 multiply, with bit-identical outputs. A byte above 128 written into a
+    registered tensor afterwards (an in-place reload the registry did not see) makes the tokens routed
+    to that expert NaN (FC2's own guard, or FC1's e8m0 NaN scales through FC2), the others unchanged."""
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.setattr(K, "_F2_FREE_SCALES", set())
+    m, hidden, i, e, topk = 12, 64, 64, 4, 2
+    g = torch.Generator().manual_seed(95)
+    w13, w13_s, b13, w2, w2_s, b2 = (t.to(device) for t in random_moe_weights(e, hidden, i, g))
+    x = torch.randn(m, hidden, generator=g).bfloat16().to(device)
+    logits = torch.randn(m, e, generator=g).bfloat16().to(device)
+    run = lambda: K.moe_block(x, logits, w13, w13_s, b13, w2, w2_s, b2, topk, path="grouped").cpu()  # noqa: E731
+    assert K.weight_scales_f2(w13_s) and K.weight_scales_f2(w2_s)  # unknown tensors keep F2
+    with_f2 = run()
+    assert K.register_weight_scales(w13_s, w2_s) == (False, False)
+    assert not K.weight_scales_f2(w13_s) and not K.weight_scales_f2(w2_s)
+    assert torch.equal(run(), with_f2) and torch.isfinite(with_f2.float()).all()
+    _, ids = K.moe_route_torch(logits.cpu(), topk)
+    expert = int(ids[0, 0])
+    hit = (ids == expert).any(1)  # the tokens routed to it
+    for scales in (w2_s, w13_s):
+        keep = scales[expert, 0, 0].clone()
+        scales[expert, 0, 0] = 200  # a block scale of 2**73, after registration
+        out = run()
+        nan = torch.isnan(out.float())
+        assert nan[hit].any(1).all() and not nan[~hit].any(), scales is w2_s
+        assert torch.equal(out[~hit], with_f2[~hit])
+        scales[expert, 0, 0] = keep
+    assert K.register_weight_scales(w13_s, w2_s.fill_(131)) == (False, True)  # re-registered: F2 again for w2
+    assert K.weight_scales_f2(w2_s) and torch.isfinite(run().float()).all()
 
 
 def test_grouped_block_with_env_tiles_matches_reference(device, monkeypatch):

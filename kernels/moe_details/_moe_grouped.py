@@ -29,7 +29,12 @@ weight values (fp32 decode, ``FMUL``/``FFMA``/``I2FP``/``F2FP`` per value): 5.7 
 per weight value. With the table's 64-wide K steps (4 warps, 64 weight values per thread and
 step; ``python -m kernels.aot --sass-loop grouped --arch 90``): 401 instructions at BLOCK_M 16,
 415 / 421 (FC1 / FC2) at 32; without the weights' F2 multiply (W_F2 False, stop 38) 358 and 375 /
-377, about a tenth fewer (not timed yet; not the launchers' default).
+377, about a tenth fewer. Since stop 42 that is how ``moe_block`` runs weights whose scales the MoE
+method registered at load (``kernels.moe.register_weight_scales``; halves decoder, 128-value steps,
+16,128,64,4,4: FC1 605 -> 526, FC2 616 -> 545 with the guard below). Guard: W_F2 off, each program
+keeps the largest weight scale byte it decoded; above 128 (a byte the decoder misreads without F2,
+e.g. weights reloaded in place after registration) FC2 writes NaN and FC1 writes e8m0 NaN (255) as its
+output scales, which FC2 under NAN_SCALES turns into NaN: never a wrong finite value.
 
 FC1 with bf16 input (A_MXFP8 off) quantizes the activations to MXFP8 and back in registers
 (``mxfp8_roundtrip``) in every program; ``moe_block`` quantizes once, in the routing launch,
@@ -152,13 +157,14 @@ def _moe_fc1_grouped_kernel(
     A_MXFP8: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter: fp32 operands (it mis-computes bf16)
     HW_FP8: tl.constexpr,  # GPU: hardware fp32 -> e4m3 rounding of the output; interpreter: software
-    W_F2: tl.constexpr = True,  # False: every weight scale byte is <= 128 (one multiply per pair fewer)
+    W_F2: tl.constexpr = True,  # False: every weight scale byte should be <= 128 (one multiply per pair fewer; guarded)
     HALVES: tl.constexpr = False,  # the halves decoder (BLOCK_K 128; _mx.py, stop 41)
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
     if not live:
         return
+    wmax = tl.zeros([2 * BLOCK_N, BLOCK_K // 32], dtype=tl.int32)  # (W_F2 off: the largest scale byte seen)
     nb = tl.program_id(1)
     token = pair // TOPK
     rows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved: 2i gate, 2i+1 up
@@ -173,6 +179,8 @@ def _moe_fc1_grouped_kernel(
         a_s = as_nxt
         ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, K, BLOCK_K, True)
         as_nxt = _scales(a_scale_ptr, token, m_ok & A_MXFP8, kb // 16 + BLOCK_K // 32, K, BLOCK_K, False)
+        if not W_F2:
+            wmax = tl.maximum(wmax, ws.to(tl.int32))
         acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, token, m_ok, kb, K, 2 * BLOCK_N, BLOCK_M, BLOCK_K,
                       A_MXFP8, DOT_FP32, W_F2, HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -181,6 +189,8 @@ def _moe_fc1_grouped_kernel(
     up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     y = tl.trans((up + 1.0) * gate * tl.sigmoid(ALPHA * gate))  # [BLOCK_M, BLOCK_N]: MXFP8 blocks along I
     codes, scales = mxfp8_quantize_rows_fast(y, BLOCK_M, BLOCK_N // 32, HW_FP8)
+    if not W_F2:  # a scale byte the decoder without F2 misreads: e8m0 NaN (255) scales, which FC2 turns into NaN
+        scales = tl.where(tl.max(tl.max(wmax, axis=1), axis=0) > 128, 255, scales.to(tl.int32)).to(tl.uint8)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + pair[:, None] * I + offs_n[None, :], codes, mask=m_ok[:, None] & (offs_n[None, :] < I))
     offs_s = nb * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
@@ -209,11 +219,14 @@ def _moe_fc2_grouped_kernel(
     DOT_FP32: tl.constexpr,
     W_F2: tl.constexpr = True,  # as FC1's
     HALVES: tl.constexpr = False,  # as FC1's
+    NAN_SCALES: tl.constexpr = False,  # h's e8m0 byte 255 (FC1's guard without F2) makes the pair's output NaN
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
     if not live:
         return
+    wmax = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.int32)  # (W_F2 off: the largest weight scale byte seen)
+    amax = tl.zeros([BLOCK_K // 32, BLOCK_M], dtype=tl.int32)  # (NAN_SCALES: each pair's largest h scale byte)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
     w_rows = expert * H + rows
@@ -225,8 +238,16 @@ def _moe_fc2_grouped_kernel(
         a_s = as_nxt
         ws_nxt = _scales(w_scale_ptr, w_rows, row_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, True)
         as_nxt = _scales(h_scale_ptr, pair, m_ok, kb // 16 + BLOCK_K // 32, I, BLOCK_K, False)
+        if not W_F2:
+            wmax = tl.maximum(wmax, ws.to(tl.int32))
+        if NAN_SCALES:
+            amax = tl.maximum(amax, a_s.to(tl.int32))
         acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, h_ptr, a_s, pair, m_ok, kb, I, BLOCK_N, BLOCK_M, BLOCK_K, True,
                       DOT_FP32, W_F2, HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     acc *= tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)[None, :]
+    if not W_F2:  # a weight scale byte the decoder without F2 misreads: NaN, never a wrong finite value
+        acc = tl.where(tl.max(tl.max(wmax, axis=1), axis=0) > 128, float("nan"), acc)
+    if NAN_SCALES:
+        acc = tl.where((tl.max(amax, axis=0) == 255)[None, :], float("nan"), acc)
     tl.store(out_ptr + pair[None, :] * H + rows[:, None], acc, mask=m_ok[None, :] & row_ok[:, None])

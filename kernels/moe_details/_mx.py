@@ -76,7 +76,8 @@ def mxfp4_tile_bf16(wq, ws, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.
     ``prmt`` per register to swap them back.) FP32 (interpreter): the same bits and factors in fp32.
     W_F2 False: the caller knows every scale byte is <= 128 (F2 == 1; ``kernels.moe.weight_scales_need_f2``), and
     the second multiply is left out: the same values, one multiply per pair fewer (sm_90a SASS of
-    the grouped K loop at 16,128,64,4,4: 401 -> 358 instructions)."""
+    the grouped K loop at 16,128,64,4,4: 401 -> 358 instructions). The grouped kernels guard it (NaN
+    outputs where a larger byte shows up: ``_moe_grouped.py``)."""
     b = wq.to(tl.int32)
     p = ((b * 0x40040) | ((b & 0xF8) * 0x1001000)) & -2118090304  # 0x81C081C0
     lo = p.to(tl.int16)

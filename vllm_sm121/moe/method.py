@@ -218,6 +218,11 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
                 raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(p.shape)} {p.dtype}")
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
+        from vllm_sm121.kernels.moe import register_weight_scales
+
+        # the grouped GEMMs drop their second scale multiply for scales that never need it (guarded: NaN
+        # where weights reloaded in place later would, kernels/moe.py); again on every reload through here
+        layer.sm121_grouped_f2 = register_weight_scales(layer.w13_weight_scale, layer.w2_weight_scale)
         if layer.w13_weight.is_cuda:  # the FMA FC1's split-K counters, before any graph capture
             from vllm_sm121.kernels.moe import split_counters
 
