@@ -574,7 +574,7 @@ def grouped_tile_sweep(args, weights: dict, device, flush, copy_gbps) -> list[di
                 ("fc1", lambda: K.moe_fc1_swiglu_grouped(xq, xs, w["w13_weight"], w["w13_weight_scale"],
                                                          w["w13_bias"], topk_ids, align, tiles, w_f2=f2_13)),
                 ("fc2", lambda: K.moe_fc2_grouped(h, hs, w["w2_weight"], w["w2_weight_scale"], w["w2_bias"], topk_ids,
-                                                  topk_w, align, tiles, w_f2=f2_2, nan_scales=not f2_13)))
+                                                  topk_w, align, tiles, w_f2=f2_2)))
 
     return _tile_sweep(args, w, device, flush, copy_gbps, parts, name="grouped", provider="sm121_grouped_tile",
                        env=K.GROUPED_TILE_ENV, specs=args.grouped_tiles, ms=[m for m in args.m if m > 0],

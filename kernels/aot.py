@@ -384,8 +384,8 @@ def moe_specs(family: str) -> list[Spec]:
     # The table's tiles as the plugin launches them for registered checkpoint scales (kernels.moe.
     # register_weight_scales: no F2 multiply, guarded); with F2 (unregistered scales), first tile
     first = [sp for sp in specs if sp.name.startswith(("moe_fc1_grouped", "moe_fc2_grouped"))][:2]
-    specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", F2]", constexprs=dict(
-        sp.constexprs, W_F2=True, **({"NAN_SCALES": False} if "NAN_SCALES" in sp.constexprs else {}))) for sp in first]
+    specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", F2]", constexprs=dict(sp.constexprs, W_F2=True))
+              for sp in first]
     if halves:  # the checkpoint-order decoder ($VLLM_SM121_MOE_GROUPED_HALVES=0), first tile
         specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bytes]",
                                       constexprs=dict(sp.constexprs, BLOCK_K=tiles[0].block_k, HALVES=False))

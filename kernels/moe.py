@@ -1051,11 +1051,12 @@ def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[
 
 def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None,
                     tiles: GroupedTiles | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                    w_f2: bool = True, nan_scales: bool = False) -> torch.Tensor:
+                    w_f2: bool = True, nan_scales: bool = True) -> torch.Tensor:
     """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H], or fp32 for
     ``out_dtype``); ``align``, ``tiles`` and ``w_f2`` (for ``w2_scale``) as in ``moe_fc1_swiglu_grouped``
     (``w_f2=False`` guarded the same way: NaN outputs for a tile whose weights needed F2).
-    ``nan_scales``: an ``h_scale`` byte 255 (FC1's guard) makes its pair's output NaN."""
+    ``nan_scales`` (default): an ``h_scale`` byte 255 (FC1's guard; MXFP8 quantizers write at most 254)
+    makes its pair's output NaN. Pairs of routing weight 0 (EP slots of other ranks) are never set NaN."""
     out_dtype = _out_dtype(out_dtype)
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     tiles = tiles or grouped_tiles(h, m, topk, e)
@@ -1225,8 +1226,8 @@ def _moe_block(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias
     align = moe_align(topk_ids, w13.shape[0], tiles.block_m) if m else None
     f2_13, f2_2 = weight_scales_f2(w13_scale), weight_scales_f2(w2_scale)  # register_weight_scales
     h, h_scale = moe_fc1_swiglu_grouped(x, x_scale, w13, w13_scale, w13_bias, topk_ids, align, tiles, w_f2=f2_13)
-    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles, out_dtype, w_f2=f2_2,
-                           nan_scales=not f2_13), False
+    return moe_fc2_grouped(h, h_scale, w2, w2_scale, w2_bias, topk_ids, topk_w, align, tiles, out_dtype,
+                           w_f2=f2_2), False
 
 
 def moe_block_torch(x, router_logits, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, topk: int,

@@ -962,6 +962,17 @@ def test_grouped_block_drops_f2_for_registered_scales_and_guards_stale_ones(devi
         assert nan[hit].any(1).all() and not nan[~hit].any(), scales is w2_s
         assert torch.equal(out[~hit], with_f2[~hit])
         scales[expert, 0, 0] = keep
+    # an EP rank (experts 0-1 local): slots routed elsewhere borrow local expert 0 with weight 0, and stay
+    # finite when that expert is the stale one
+    emap = torch.tensor([0, 1, -1, -1], dtype=torch.int32, device=device)
+    local = [t[:2].clone() for t in (w13, w13_s, b13, w2, w2_s, b2)]
+    assert K.register_weight_scales(local[1], local[4]) == (False, False)
+    run_ep = lambda: K.moe_block(x, logits, *local, topk, path="grouped", expert_map=emap).cpu()  # noqa: E731
+    ep_f2 = run_ep()
+    local[4][0, 0, 0] = 200
+    out = run_ep()
+    hit0 = (ids == 0).any(1)
+    assert torch.isnan(out[hit0].float()).any(1).all() and torch.equal(out[~hit0], ep_f2[~hit0]) and (~hit0).any()
     assert K.register_weight_scales(w13_s, w2_s.fill_(131)) == (False, True)  # re-registered: F2 again for w2
     assert K.weight_scales_f2(w2_s) and torch.isfinite(run().float()).all()
 

@@ -219,7 +219,7 @@ def _moe_fc2_grouped_kernel(
     DOT_FP32: tl.constexpr,
     W_F2: tl.constexpr = True,  # as FC1's
     HALVES: tl.constexpr = False,  # as FC1's
-    NAN_SCALES: tl.constexpr = False,  # h's e8m0 byte 255 (FC1's guard without F2) makes the pair's output NaN
+    NAN_SCALES: tl.constexpr = True,  # h's e8m0 byte 255 (FC1's guard without F2) makes the pair's output NaN
 ):
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
@@ -245,9 +245,16 @@ def _moe_fc2_grouped_kernel(
         acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, h_ptr, a_s, pair, m_ok, kb, I, BLOCK_N, BLOCK_M, BLOCK_K, True,
                       DOT_FP32, W_F2, HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    acc *= tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)[None, :]
-    if not W_F2:  # a weight scale byte the decoder without F2 misreads: NaN, never a wrong finite value
-        acc = tl.where(tl.max(tl.max(wmax, axis=1), axis=0) > 128, float("nan"), acc)
+    tw = tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)
+    acc *= tw[None, :]
+    # Guards, for the pairs that count (weight 0: a slot routed to another EP rank borrows a local expert):
+    # a weight scale byte the decoder without F2 misreads, or FC1's e8m0 NaN scales: NaN, never a wrong
+    # finite value
+    bad = tl.zeros([BLOCK_M], dtype=tl.int1)
+    if not W_F2:
+        bad = bad | (tl.max(tl.max(wmax, axis=1), axis=0) > 128)
     if NAN_SCALES:
-        acc = tl.where((tl.max(amax, axis=0) == 255)[None, :], float("nan"), acc)
+        bad = bad | (tl.max(amax, axis=0) == 255)
+    if NAN_SCALES or not W_F2:
+        acc = tl.where((bad & (tw != 0.0))[None, :], float("nan"), acc)
     tl.store(out_ptr + pair[None, :] * H + rows[:, None], acc, mask=m_ok[None, :] & row_ok[:, None])

@@ -218,11 +218,6 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
                 raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(p.shape)} {p.dtype}")
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
-        from vllm_sm121.kernels.moe import register_weight_scales
-
-        # the grouped GEMMs drop their second scale multiply for scales that never need it (guarded: NaN
-        # where weights reloaded in place later would, kernels/moe.py); again on every reload through here
-        layer.sm121_grouped_f2 = register_weight_scales(layer.w13_weight_scale, layer.w2_weight_scale)
         if layer.w13_weight.is_cuda:  # the FMA FC1's split-K counters, before any graph capture
             from vllm_sm121.kernels.moe import split_counters
 
@@ -233,6 +228,14 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
             raise ValueError(f"expert_map: expected int32 [{self.moe.num_experts}] (global -> local expert), got "
                              f"{emap.dtype} {tuple(emap.shape)}")
         self._build_simulated_ranks(layer)
+        from vllm_sm121.kernels.moe import register_weight_scales
+
+        # The grouped GEMMs drop their second scale multiply for scales that never need it (guarded: NaN
+        # where weights reloaded in place later would, kernels/moe.py); again on every reload through here.
+        # In the TP-invariant mode the simulated ranks' shards are what the kernels read.
+        parts = [f"sm121_sim{r}_" for r in range(layer.sm121_sim_parts)] or [""]
+        layer.sm121_grouped_f2 = register_weight_scales(*(getattr(layer, f"{p}{name}") for p in parts
+                                                          for name in ("w13_weight_scale", "w2_weight_scale")))
 
     def _build_simulated_ranks(self, layer) -> None:
         """$VLLM_SM121_TP_INVARIANT on a one-rank engine (``layer.sm121_sim_mode``, set by the gpt-oss
