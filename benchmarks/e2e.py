@@ -330,9 +330,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-f16word", _all_on(),
            "sm121-all-moe with the MoE GEMVs' fp16 products summed per word (mode 1, before stop 34)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FMA_F16X2", "1"))),
-    # A/B of the windowed FMA default (stop 39; chunks of 4 at stop 38): M = 5-32 through the grouped GEMMs again (sm_90)
+    # A/B of the windowed FMA default (stop 39; chunks of 4 at stop 38): M = 5-16 (5-32 before stop 42) through the grouped GEMMs again (sm_90)
     Config("sm121-all-moe-nowindow", _all_on(),
-           "sm121-all-moe with the MoE's FMA GEMVs for M <= 4 only (M = 5-32 through the grouped GEMMs, "
+           "sm121-all-moe with the MoE's FMA GEMVs for M <= 4 only (M = 5-16 through the grouped GEMMs too, "
            "before stop 38)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_MOE_FMA_WINDOW_MAX_TOKENS", "0"))),
     # Stop 41: the grouped GEMMs' halves decoder (M > 32 on sm_90, prefill) took M = 32 in 567.9 us vs 724.0 in
