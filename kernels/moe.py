@@ -999,8 +999,37 @@ def weight_scales_need_f2(w_scale: torch.Tensor) -> bool:
     return bool((w_scale.view(torch.uint8).max() > 128).item()) if w_scale.numel() else False
 
 
+def act_halves_bf16_torch(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
+    """MXFP8 activations (e4m3 [M, K] + e8m0 [M, K / 32]) as the grouped FC1's A_HALVES operand: their
+    values in bf16 (exact, as ``mxfp8_tile_bf16`` decodes them), each 128-value block in the halves
+    order (its even values in ``_mx.act_halves``'s logical order, then its odd ones), rows zero-padded
+    to whole blocks: bf16 [M, ceil(K / 128) * 128]."""
+    from .norm_mxfp8 import mxfp8_dequantize_torch
+
+    m, k = a.shape
+    kp = -(-k // 128) * 128
+    v = torch.nn.functional.pad(mxfp8_dequantize_torch(a, a_scale.clamp(min=1)).bfloat16(), (0, kp - k))
+    # k = 2 * slot + half, slot bits (5, 4, 3..1, 0) -> [half, slot bits 3..1, 5, 4, 0] (lane_order's logical k)
+    v = v.view(m, kp // 128, 2, 2, 8, 2, 2).permute(0, 1, 6, 4, 2, 3, 5)
+    return v.reshape(m, kp).contiguous()
+
+
+# Prefill FC1 with its MXFP8 activations handed over as bf16 in the halves order (one torch pre-pass, then no
+# decode, permutation or shared-memory store of them in the K loop): opt-in, not timed yet (stop 42, CPU- and
+# AOT-tested; docs/mxfp4-layout-design.md "Stop 42"). 0 / 1, read at call time; tiles of at least this many
+# tokens take it when set to a number > 1 (1: every grouped FC1 with MXFP8 input).
+GROUPED_ACT_BF16_ENV = "VLLM_SM121_MOE_GROUPED_ACT_BF16"
+
+
+def grouped_act_bf16(t: torch.Tensor, tiles: GroupedTiles) -> bool:
+    """Whether a grouped FC1 with ``tiles`` on ``t``'s device takes bf16 halves-order activations
+    ($VLLM_SM121_MOE_GROUPED_ACT_BF16: 0 off (default), 1 always, N > 1 for tiles of >= N tokens)."""
+    n = V.env_int(GROUPED_ACT_BF16_ENV, 0)
+    return n > 0 and tiles.block_m >= n and grouped_halves(t)
+
+
 def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None,
-                           w_f2: bool = True):
+                           w_f2: bool = True, act_bf16: bool | None = None):
     """Prefill FC1: same contract as ``moe_fc1_swiglu``; grouped GEMM over expert-sorted pairs.
 
     ``align``: ``moe_align(topk_ids, E, tiles.block_m)`` if already built; ``tiles``: default
@@ -1010,6 +1039,8 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     and the weight decoder skips its second multiply (the same values). Guarded: a tile whose weights
     hold a larger byte writes e8m0 NaN (255) as its output scales, which ``moe_fc2_grouped(...,
     nan_scales=True)`` turns into NaN outputs (never a wrong finite value).
+    ``act_bf16`` (MXFP8 ``a``, halves decoder; default ``grouped_act_bf16``): the activations go to the
+    kernel as ``act_halves_bf16_torch(a, a_scale)`` (the same values and products).
     """
     m, k, e, i, topk = _check_fc1(a, a_scale, w13, w13_scale, bias, topk_ids)
     mxfp8 = a.dtype != torch.bfloat16
@@ -1020,13 +1051,18 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         block_k, halves = _grouped_block_k(a, tiles, k)
+        a_halves = mxfp8 and halves and (grouped_act_bf16(a, tiles) if act_bf16 is None else act_bf16)
+        if a_halves:
+            a_in, a_s = act_halves_bf16_torch(a, a_scale), out_scale
+        else:
+            a_in, a_s = (a.view(torch.uint8), a_scale) if mxfp8 else (a, out_scale)
         _moe_fc1_grouped_kernel[(tile_e.numel(), -(-i // block_n))](
-            a.view(torch.uint8) if mxfp8 else a, a_scale if mxfp8 else out_scale, w13, w13_scale, bias,
-            order, tile_e, tile_s, tile_t, out, out_scale,
+            a_in, a_s, w13, w13_scale, bias, order, tile_e, tile_s, tile_t, out, out_scale,
             K=k, I=i, TOPK=topk, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
-            A_MXFP8=mxfp8, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER, HW_FP8=_gpu_flags(a)["HW_FP8"],
-            W_F2=w_f2, HALVES=halves, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            A_MXFP8=mxfp8 and not a_halves, DOT_FP32=_platform.family_of(a) == _platform.INTERPRETER,
+            HW_FP8=_gpu_flags(a)["HW_FP8"], W_F2=w_f2, HALVES=halves, A_HALVES=a_halves,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.view(torch.float8_e4m3fn), out_scale
 
 

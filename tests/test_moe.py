@@ -932,6 +932,44 @@ def test_grouped_weight_f2_switch(device, grouped_decoder):
         assert K.weight_scales_need_f2(high.view(torch.int8)) is True  # read as e8m0 bytes whatever the view
 
 
+@pytest.mark.parametrize("m,k,i,e,topk,tiles", [c for c in GROUPED_CASES if c[1] % 128 or c[0] == 9])
+def test_grouped_fc1_bf16_halves_activations_give_the_same_bits(device, m, k, i, e, topk, tiles, monkeypatch):
+    """$VLLM_SM121_MOE_GROUPED_ACT_BF16 (opt-in): FC1 takes its MXFP8 activations as bf16 already in the
+    halves order (``act_halves_bf16_torch``: no decode or permutation in the K loop) and gives exactly the
+    MXFP8 path's outputs and scales, also with K not a multiple of 128 (zero-padded last block)."""
+    from vllm_sm121.kernels import moe as K
+
+    monkeypatch.setenv(K.GROUPED_HALVES_ENV, "1")
+    _, a, a_scale, w13, w13_scale, bias, topk_ids = _fc1_case(m, k, i, e, topk, seed=60 + m)
+    dev = [t.to(device) for t in (a, a_scale, w13, w13_scale, bias, topk_ids)]
+    tl_ = K.GroupedTiles.parse(tiles) if tiles else None
+    ref = K.moe_fc1_swiglu_grouped(*dev, tiles=tl_, act_bf16=False)
+    got = K.moe_fc1_swiglu_grouped(*dev, tiles=tl_, act_bf16=True)
+    assert torch.equal(got[0].view(torch.uint8).cpu(), ref[0].view(torch.uint8).cpu())
+    assert torch.equal(got[1].cpu(), ref[1].cpu()) and ref[0].float().abs().max() > 0
+    # the operand itself: each 128-value block's even values in act_halves's order, then its odd ones
+    h = K.act_halves_bf16_torch(a, a_scale)
+    kp = -(-k // 128) * 128
+    assert h.shape == (m, kp) and h.dtype == torch.bfloat16  # (the padding zeros spread over the last block)
+    vals = torch.nn.functional.pad(mxfp8_dequantize_torch(a, a_scale.clamp(min=1)), (0, kp - k))
+    for b in range(kp // 128):
+        blk = vals[:, 128 * b:128 * (b + 1)].T  # [128, m]
+        ev, od = (torch.stack(t) for t in zip(*[_act_halves_torch(blk[:, c]) for c in range(m)]))
+        assert torch.equal(h[:, 128 * b:128 * b + 64].float(), ev) and torch.equal(h[:, 128 * b + 64:128 * (b + 1)].float(), od)
+    # the switch: off by default, N > 1 = tiles of at least N tokens
+    t16, t64 = K.GroupedTiles(16, 128, 64, 4, 4), K.GroupedTiles(64, 128, 128, 8, 3)
+    monkeypatch.delenv(K.GROUPED_ACT_BF16_ENV, raising=False)
+    assert not K.grouped_act_bf16(a, t64)
+    monkeypatch.setenv(K.GROUPED_ACT_BF16_ENV, "32")
+    assert K.grouped_act_bf16(a, t64) and not K.grouped_act_bf16(a, t16)
+
+
+def _act_halves_torch(col: torch.Tensor):
+    """``_mx.act_halves`` of one activation column of a 128-value step, in torch: (even, odd) [64]."""
+    x = col.reshape(2, 2, 8, 2, 2).permute(2, 0, 1, 3, 4).reshape(64, 2)
+    return x[:, 0], x[:, 1]
+
+
 def test_grouped_block_drops_f2_for_registered_scales_and_guards_stale_ones(device, monkeypatch):
     """``register_weight_scales`` (the MoE method's load step): scales whose bytes are all <= 128 run the
     grouped GEMMs without the F2 multiply, with bit-identical outputs. A byte above 128 written into a

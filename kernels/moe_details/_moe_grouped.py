@@ -52,7 +52,7 @@ no inline PTX, so DOT_FP32 (CPU) builds the same bits and factors in fp32 and us
 import triton
 import triton.language as tl
 
-from ._mx import act_halves, mxfp4_halves_bf16, mxfp4_tile_bf16, mxfp8_quantize_rows_fast, mxfp8_roundtrip, mxfp8_tile_bf16
+from ._mx import _bf16_bits, act_halves, mxfp4_halves_bf16, mxfp4_tile_bf16, mxfp8_quantize_rows_fast, mxfp8_roundtrip, mxfp8_tile_bf16
 
 
 @triton.jit
@@ -113,18 +113,42 @@ def _act_tile_t(a_ptr, a_s, rows, row_ok, k0, K: tl.constexpr, BLOCK_M: tl.const
 
 
 @triton.jit
+def _act_halves_bf16(a_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A_HALVES: rows ``rows`` of bf16 activations stored per 128-value block in the halves order
+    (``kernels.moe.act_halves_bf16_torch``: the block's even values in ``act_halves``'s order, then its
+    odd ones; rows of ceil(K / 128) whole blocks, zero-padded), step k0: (even, odd) [64, BLOCK_M], the
+    MMA's B operands as loaded (no decode, no permutation). DOT_FP32 (interpreter, which mis-handles
+    bf16): the same values from their bits."""
+    KP: tl.constexpr = (K + 127) // 128 * 128  # rows padded to whole 128-value blocks (zeros)
+    offs = tl.arange(0, 64)
+    ok = row_ok[None, :] & (offs[:, None] < 64)
+    if DOT_FP32:
+        p = a_ptr.to(tl.pointer_type(tl.int16))
+        ev = tl.load(p + rows[None, :] * KP + k0 + offs[:, None], mask=ok, other=0)
+        od = tl.load(p + rows[None, :] * KP + k0 + 64 + offs[:, None], mask=ok, other=0)
+        return _bf16_bits(ev.to(tl.int32) & 0xFFFF, True), _bf16_bits(od.to(tl.int32) & 0xFFFF, True)
+    ev = tl.load(a_ptr + rows[None, :] * KP + k0 + offs[:, None], mask=ok, other=0.0)
+    od = tl.load(a_ptr + rows[None, :] * KP + k0 + 64 + offs[:, None], mask=ok, other=0.0)
+    return ev, od
+
+
+@triton.jit
 def _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, a_rows, a_ok, kb, K: tl.constexpr, ROWS: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, A_MXFP8: tl.constexpr, DOT_FP32: tl.constexpr,
-            W_F2: tl.constexpr, HALVES: tl.constexpr):
+            W_F2: tl.constexpr, HALVES: tl.constexpr, A_HALVES: tl.constexpr = False):
     """acc [ROWS, BLOCK_M] += the weight rows' K step at byte kb times the activation rows'
     (transposed). HALVES (BLOCK_K = 128): two K = 64 dots over the even and the odd values
-    (``_mx.py``, the halves decoder); else one dot in checkpoint order."""
+    (``_mx.py``, the halves decoder); else one dot in checkpoint order. A_HALVES (with HALVES): the
+    activations are bf16 already in the halves order (``_act_halves_bf16``)."""
     if HALVES:
         tl.static_assert(BLOCK_K == 128, "the halves decoder takes 128-value K steps (BLOCK_K = 128)")
         wq = _weight_bytes(w_ptr, w_rows, row_ok, kb, K, BLOCK_K)
         w_even, w_odd = mxfp4_halves_bf16(wq, ws, ROWS, BLOCK_K // 2, DOT_FP32, W_F2)
-        a_even, a_odd = act_halves(_act_tile_t(a_ptr, a_s, a_rows, a_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8,
-                                               DOT_FP32), BLOCK_M)
+        if A_HALVES:
+            a_even, a_odd = _act_halves_bf16(a_ptr, a_rows, a_ok, 2 * kb, K, BLOCK_M, DOT_FP32)
+        else:
+            a_even, a_odd = act_halves(_act_tile_t(a_ptr, a_s, a_rows, a_ok, 2 * kb, K, BLOCK_M, BLOCK_K, A_MXFP8,
+                                                   DOT_FP32), BLOCK_M)
         acc = tl.dot(w_even, a_even, acc)
         return tl.dot(w_odd, a_odd, acc)
     else:
@@ -159,7 +183,9 @@ def _moe_fc1_grouped_kernel(
     HW_FP8: tl.constexpr,  # GPU: hardware fp32 -> e4m3 rounding of the output; interpreter: software
     W_F2: tl.constexpr = True,  # False: every weight scale byte should be <= 128 (one multiply per pair fewer; guarded)
     HALVES: tl.constexpr = False,  # the halves decoder (BLOCK_K 128; _mx.py, stop 41)
+    A_HALVES: tl.constexpr = False,  # HALVES, A_MXFP8 off: a_ptr holds bf16 MXFP8 values in the halves order
 ):
+    tl.static_assert(not A_HALVES or (HALVES and not A_MXFP8), "A_HALVES takes bf16 activations and HALVES")
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
     if not live:
@@ -182,7 +208,7 @@ def _moe_fc1_grouped_kernel(
         if not W_F2:
             wmax = tl.maximum(wmax, ws.to(tl.int32))
         acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, a_ptr, a_s, token, m_ok, kb, K, 2 * BLOCK_N, BLOCK_M, BLOCK_K,
-                      A_MXFP8, DOT_FP32, W_F2, HALVES)
+                      A_MXFP8, DOT_FP32, W_F2, HALVES, A_HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), [0, 2, 1]))  # [BLOCK_N, BLOCK_M]
     gate = tl.minimum(gate, LIMIT)
