@@ -1087,12 +1087,13 @@ def _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights) -> tuple[
 
 def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, align=None,
                     tiles: GroupedTiles | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                    w_f2: bool = True, nan_scales: bool = True) -> torch.Tensor:
+                    w_f2: bool = True, nan_scales: bool = True, act_bf16: bool | None = None) -> torch.Tensor:
     """Prefill FC2 + combine: same contract as ``moe_fc2_combine`` (bf16 [M, H], or fp32 for
     ``out_dtype``); ``align``, ``tiles`` and ``w_f2`` (for ``w2_scale``) as in ``moe_fc1_swiglu_grouped``
     (``w_f2=False`` guarded the same way: NaN outputs for a tile whose weights needed F2).
     ``nan_scales`` (default): an ``h_scale`` byte 255 (FC1's guard; MXFP8 quantizers write at most 254)
-    makes its pair's output NaN. Pairs of routing weight 0 (EP slots of other ranks) are never set NaN."""
+    makes its pair's output NaN. Pairs of routing weight 0 (EP slots of other ranks) are never set NaN.
+    ``act_bf16`` as in ``moe_fc1_swiglu_grouped`` (h as ``act_halves_bf16_torch(h, h_scale)``)."""
     out_dtype = _out_dtype(out_dtype)
     m, topk, e, hidden, i = _check_fc2(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights)
     tiles = tiles or grouped_tiles(h, m, topk, e)
@@ -1100,11 +1101,13 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         block_k, halves = _grouped_block_k(h, tiles, i)
+        a_halves = halves and (grouped_act_bf16(h, tiles) if act_bf16 is None else act_bf16)
         _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // tiles.block_n))](
-            h.view(torch.uint8), h_scale, w2, w2_scale, bias, topk_weights, order, tile_e, tile_s, tile_t, part,
+            act_halves_bf16_torch(h, h_scale) if a_halves else h.view(torch.uint8), h_scale, w2, w2_scale, bias,
+            topk_weights, order, tile_e, tile_s, tile_t, part,
             H=hidden, I=i, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
             DOT_FP32=_platform.family_of(h) == _platform.INTERPRETER, W_F2=w_f2, HALVES=halves,
-            NAN_SCALES=nan_scales, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            NAN_SCALES=nan_scales, A_HALVES=a_halves, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # fp32 sum over the top-k slots, one rounding to bf16 (as the decode kernel)
     return part.sum(1).to(out_dtype)
 

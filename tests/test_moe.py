@@ -956,12 +956,31 @@ def test_grouped_fc1_bf16_halves_activations_give_the_same_bits(device, m, k, i,
         blk = vals[:, 128 * b:128 * (b + 1)].T  # [128, m]
         ev, od = (torch.stack(t) for t in zip(*[_act_halves_torch(blk[:, c]) for c in range(m)]))
         assert torch.equal(h[:, 128 * b:128 * b + 64].float(), ev) and torch.equal(h[:, 128 * b + 64:128 * (b + 1)].float(), od)
+    # FC2 the same way, from FC1's output (its MXFP8 h as bf16 halves)
+    if i % 64 == 0:
+        g = torch.Generator().manual_seed(61 + m)
+        w2 = torch.randint(0, 256, (e, k, i // 2), generator=g, dtype=torch.uint8).to(device)
+        w2_scale = torch.randint(118, 122, (e, k, i // 32), generator=g, dtype=torch.uint8).to(device)
+        b2 = (torch.randn(e, k, generator=g) * 0.5).bfloat16().to(device)
+        topk_w = torch.softmax(torch.randn(m, topk, generator=g), -1).to(device)
+        args = (*ref, w2, w2_scale, b2, dev[-1], topk_w)
+        want = K.moe_fc2_grouped(*args, tiles=tl_, act_bf16=False)
+        assert torch.equal(K.moe_fc2_grouped(*args, tiles=tl_, act_bf16=True).cpu(), want.cpu())
+        assert want.float().abs().max() > 0
     # the switch: off by default, N > 1 = tiles of at least N tokens
     t16, t64 = K.GroupedTiles(16, 128, 64, 4, 4), K.GroupedTiles(64, 128, 128, 8, 3)
     monkeypatch.delenv(K.GROUPED_ACT_BF16_ENV, raising=False)
     assert not K.grouped_act_bf16(a, t64)
     monkeypatch.setenv(K.GROUPED_ACT_BF16_ENV, "32")
     assert K.grouped_act_bf16(a, t64) and not K.grouped_act_bf16(a, t16)
+    if m == 9:  # moe_block under the variable: both GEMMs switch, the same bits
+        w = [t.to(device) for t in random_moe_weights(e, k, 64, torch.Generator().manual_seed(62))]
+        logits = torch.randn(m, e, generator=torch.Generator().manual_seed(63)).bfloat16().to(device)
+        run = lambda: K.moe_block(dev[0], logits, *w, topk, x_scale=dev[1], path="grouped").cpu()  # noqa: E731
+        monkeypatch.setenv(K.GROUPED_ACT_BF16_ENV, "0")
+        off = run()
+        monkeypatch.setenv(K.GROUPED_ACT_BF16_ENV, "1")
+        assert torch.equal(run(), off) and off.float().abs().max() > 0
 
 
 def _act_halves_torch(col: torch.Tensor):

@@ -246,7 +246,10 @@ def _moe_fc2_grouped_kernel(
     W_F2: tl.constexpr = True,  # as FC1's
     HALVES: tl.constexpr = False,  # as FC1's
     NAN_SCALES: tl.constexpr = True,  # h's e8m0 byte 255 (FC1's guard without F2) makes the pair's output NaN
+    A_HALVES: tl.constexpr = False,  # HALVES: h_ptr holds h's values in bf16 [M * TOPK, ceil(I / 128) * 128],
+    # halves order (kernels.moe.act_halves_bf16_torch of h; h_scale_ptr still h's scales, for NAN_SCALES)
 ):
+    tl.static_assert(not A_HALVES or HALVES, "A_HALVES goes with the halves decoder")
     live, expert, pair, m_ok = _tile_pairs(sorted_pair_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                            tl.program_id(0), BLOCK_M)
     if not live:
@@ -268,8 +271,8 @@ def _moe_fc2_grouped_kernel(
             wmax = tl.maximum(wmax, ws.to(tl.int32))
         if NAN_SCALES:
             amax = tl.maximum(amax, a_s.to(tl.int32))
-        acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, h_ptr, a_s, pair, m_ok, kb, I, BLOCK_N, BLOCK_M, BLOCK_K, True,
-                      DOT_FP32, W_F2, HALVES)
+        acc = _k_step(acc, w_ptr, ws, w_rows, row_ok, h_ptr, a_s, pair, m_ok, kb, I, BLOCK_N, BLOCK_M, BLOCK_K,
+                      not A_HALVES, DOT_FP32, W_F2, HALVES, A_HALVES)
     acc += tl.load(bias_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tw = tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0)
     acc *= tw[None, :]
