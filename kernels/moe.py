@@ -1003,7 +1003,10 @@ def act_halves_bf16_torch(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tenso
     """MXFP8 activations (e4m3 [M, K] + e8m0 [M, K / 32]) as the grouped FC1's A_HALVES operand: their
     values in bf16 (exact, as ``mxfp8_tile_bf16`` decodes them), each 128-value block in the halves
     order (its even values in ``_mx.act_halves``'s logical order, then its odd ones), rows zero-padded
-    to whole blocks: bf16 [M, ceil(K / 128) * 128]."""
+    to whole blocks: bf16 [M, ceil(K / 128) * 128]. Differs from the in-loop decode only where the
+    plugin's quantizers never write for finite inputs: e4m3 NaN codes (NaN here, a finite value there)
+    and e8m0 byte 255 (inf / NaN here; FC1's guard, which FC2's NAN_SCALES check turns into NaN either
+    way). Temporaries: an fp32 and two bf16 copies of the activations (a prefill chunk's, briefly)."""
     from .norm_mxfp8 import mxfp8_dequantize_torch
 
     m, k = a.shape
