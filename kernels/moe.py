@@ -1024,11 +1024,12 @@ def act_halves_bf16_torch(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tenso
 GROUPED_ACT_BF16_ENV = "VLLM_SM121_MOE_GROUPED_ACT_BF16"
 
 
-def grouped_act_bf16(t: torch.Tensor, tiles: GroupedTiles) -> bool:
-    """Whether a grouped FC1 with ``tiles`` on ``t``'s device takes bf16 halves-order activations
-    ($VLLM_SM121_MOE_GROUPED_ACT_BF16: 0 off (default), 1 always, N > 1 for tiles of >= N tokens)."""
+def grouped_act_bf16(tiles: GroupedTiles) -> bool:
+    """Whether a grouped FC1 / FC2 with ``tiles`` takes bf16 halves-order activations when it runs the
+    halves decoder ($VLLM_SM121_MOE_GROUPED_ACT_BF16: 0 off (default), 1 always, N > 1 for tiles of >= N
+    tokens; the launchers check the decoder)."""
     n = V.env_int(GROUPED_ACT_BF16_ENV, 0)
-    return n > 0 and tiles.block_m >= n and grouped_halves(t)
+    return n > 0 and tiles.block_m >= n
 
 
 def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None,
@@ -1054,7 +1055,7 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         block_k, halves = _grouped_block_k(a, tiles, k)
-        a_halves = mxfp8 and halves and (grouped_act_bf16(a, tiles) if act_bf16 is None else act_bf16)
+        a_halves = mxfp8 and halves and (grouped_act_bf16(tiles) if act_bf16 is None else act_bf16)
         if a_halves:
             a_in, a_s = act_halves_bf16_torch(a, a_scale), out_scale
         else:
@@ -1104,7 +1105,7 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         block_k, halves = _grouped_block_k(h, tiles, i)
-        a_halves = halves and (grouped_act_bf16(h, tiles) if act_bf16 is None else act_bf16)
+        a_halves = halves and (grouped_act_bf16(tiles) if act_bf16 is None else act_bf16)
         _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // tiles.block_n))](
             act_halves_bf16_torch(h, h_scale) if a_halves else h.view(torch.uint8), h_scale, w2, w2_scale, bias,
             topk_weights, order, tile_e, tile_s, tile_t, part,

@@ -231,3 +231,24 @@ def run_engine(prompts, *, gen: int = 0, graphs=False, probe=None, setup=None, *
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def rotation_in_epilogue_diff(monkeypatch, path: str, x, q, s, b, pos, cache, rope_rows: int, head: int) -> torch.Tensor:
+    """``dense_fp8_linear_rope(..., path=path)`` (which must rotate in its epilogue: ``rope_neox_`` is
+    forbidden while it runs) against the same GEMM unrotated, then ``rope_neox_``: v rows bit-equal, the
+    rotation visible, every rotated value within one bf16 step. Returns |fused - reference| (fp32)."""
+    from vllm_sm121.kernels import dense as D
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("the rotation ran after the projection instead of in its epilogue")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(D, "rope_neox_", not_called)
+        fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path=path)
+    plain = D.dense_fp8_linear(x, q, s, b, path=path)
+    ref = D.rope_neox_(plain.clone(), pos, cache, rope_rows, head)
+    assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])
+    assert not torch.equal(ref[:, :rope_rows], plain[:, :rope_rows])
+    diff = (fused.float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all()), float(diff.max())
+    return diff

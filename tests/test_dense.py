@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_close, graph_replayed
+from helpers import assert_close, graph_replayed, rotation_in_epilogue_diff
 
 from vllm_sm121.kernels import dense as D
 
@@ -379,10 +379,6 @@ def test_rope_in_the_fma_epilogue_matches_linear_then_rotation(m, cache_dtype, d
     assert float((diff == 0).float().mean()) > 0.97
 
 
-def _rotation_not_run_after(*args, **kwargs):
-    raise AssertionError("the rotation ran after the projection instead of in its epilogue")
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m", [6, 20])
 @pytest.mark.parametrize("head,heads_q", [(8, 4), (8, 3), (16, 4), (64, 4)])
@@ -394,15 +390,7 @@ def test_rope_in_the_mma_epilogue_matches_linear_then_rotation(m, head, heads_q,
     pairs of runs inside a head's halves (16, 64)."""
     x, q, s, b, pos, cache, rope_rows = _rope_case(m, heads_q, 2, head, 64, device, 11 + m + head + heads_q)
     assert D._mma_rope_fits(D._mma_tiles(x, m, q.shape[0], 64)[1], rope_rows, head)
-    with monkeypatch.context() as mp:
-        mp.setattr(D, "rope_neox_", _rotation_not_run_after)
-        fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="mma")
-    plain = D.dense_fp8_linear(x, q, s, b, path="mma")
-    ref = D.rope_neox_(plain.clone(), pos, cache, rope_rows, head)
-    assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])
-    assert not torch.equal(ref[:, :rope_rows], plain[:, :rope_rows])
-    diff = (fused.float() - ref.float()).abs()
-    assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all()), float(diff.max())
+    diff = rotation_in_epilogue_diff(monkeypatch, "mma", x, q, s, b, pos, cache, rope_rows, head)
     assert float((diff == 0).float().mean()) > 0.97
     # a tile that does not fit (rope_rows not a multiple of BLOCK_N): the rotation after the projection
     assert not D._mma_rope_fits(32, 48, 64) and not D._mma_rope_fits(128, 192, 48)

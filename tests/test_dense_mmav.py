@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import graph_replayed, load_benchmark
+from helpers import graph_replayed, load_benchmark, rotation_in_epilogue_diff
 from vllm_sm121.kernels import dense as D
 
 
@@ -97,15 +97,7 @@ def test_rope_in_the_mmav_epilogue_matches_linear_then_rotation(m, device, monke
     cache = torch.cat((ang.cos(), ang.sin()), dim=-1).to(device)
     pos = torch.randint(0, 512, (m,), generator=g).to(device)
     rope_rows = 6 * head
-    with monkeypatch.context() as mp:  # the rotation must run in the GEMV's epilogue, not afterwards
-        mp.setattr(D, "rope_neox_", _not_called)
-        fused = D.dense_fp8_linear_rope(x, q, s, b, pos, cache, rope_rows, head, path="mmav")
-    plain = D.dense_fp8_linear(x, q, s, b, path="mmav")
-    ref = D.rope_neox_(plain.clone(), pos, cache, rope_rows, head)
-    assert torch.equal(fused[:, rope_rows:], plain[:, rope_rows:])
-    assert not torch.equal(ref[:, :rope_rows], plain[:, :rope_rows])
-    diff = (fused.float() - ref.float()).abs()
-    assert bool((diff <= ref.float().abs().clamp(min=2.0 ** -126) * 2.0 ** -7).all()), float(diff.max())
+    rotation_in_epilogue_diff(monkeypatch, "mmav", x, q, s, b, pos, cache, rope_rows, head)
 
 
 def _gpt_oss(shape, m, seed=0):

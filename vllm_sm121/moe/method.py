@@ -234,8 +234,8 @@ class Sm121Mxfp4MoEMethod(FusedMoEMethodBase):
         # where weights reloaded in place later would, kernels/moe.py); again on every reload through here.
         # In the TP-invariant mode the simulated ranks' shards are what the kernels read.
         parts = [f"sm121_sim{r}_" for r in range(layer.sm121_sim_parts)] or [""]
-        layer.sm121_grouped_f2 = register_weight_scales(*(getattr(layer, f"{p}{name}") for p in parts
-                                                          for name in ("w13_weight_scale", "w2_weight_scale")))
+        register_weight_scales(*(getattr(layer, f"{p}{name}") for p in parts
+                                 for name in ("w13_weight_scale", "w2_weight_scale")))
 
     def _build_simulated_ranks(self, layer) -> None:
         """$VLLM_SM121_TP_INVARIANT on a one-rank engine (``layer.sm121_sim_mode``, set by the gpt-oss
