@@ -199,8 +199,9 @@ for step in "$@"; do
                  VLLM_SM121_MOE_GROUPED_HALVES=$v python3 benchmarks/moe.py --m ${MOE_M:-8,16,32,64,512,2048} --providers $pr --out "$OUT/moe_halves$v.json" 2>&1 | tee "$OUT/moehalves$v.log" | grep -v "^INFO\|^WARNING" | tail -n 14 || fail=1; done; (exit $fail) ;;
     moef2) fail=0; for f in auto on; do echo "--grouped-f2 $f"; [ $f = auto ] && pr=${MOE_PROVIDERS:-sm121_grouped,triton} || pr=sm121_grouped  # stop 42: the grouped GEMMs without the F2 multiply (registered scales, the default) vs with it
              python3 benchmarks/moe.py --m ${MOE_M:-32,64,512,2048} --providers $pr --grouped-f2 $f --out "$OUT/moe_f2_$f.json" 2>&1 | tee "/tmp/moef2_$f.log" | grep -v "^INFO\|^WARNING" | tail -n 12; [ "${PIPESTATUS[0]}" = 0 ] || fail=1; done; (exit $fail) ;;
-    moeactbf16) fail=0; python3 -m pytest -q tests/test_moe.py -k "bf16_halves or grouped_fc1_fc2" --device cuda -p no:cacheprovider 2>&1 | tail -n 3 | tee "$OUT/moeactbf16_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || fail=1  # stop 42: grouped FC1 with bf16 halves-order activations (opt-in)
-                for v in 0 1; do echo "VLLM_SM121_MOE_GROUPED_ACT_BF16=$v"; [ $v = 0 ] && pr=${MOE_PROVIDERS:-sm121_grouped,triton} || pr=sm121_grouped
+    moeactbf16) fail=0; python3 -m pytest -q -rf --tb=short tests/test_moe.py -k "bf16_halves or grouped_fc1_fc2" --device cuda -p no:cacheprovider > "$OUT/moeactbf16_tests.log" 2>&1 || fail=1  # stop 42: grouped FC1 with bf16 halves-order activations (opt-in)
+                grep -E "^FAILED|^E  .*(assert|Error)|passed|failed|^tests/.*Error" "$OUT/moeactbf16_tests.log" | tail -n 30
+                [ "${MOEACT_BENCH:-1}" = 1 ] && for v in 0 1; do echo "VLLM_SM121_MOE_GROUPED_ACT_BF16=$v"; [ $v = 0 ] && pr=${MOE_PROVIDERS:-sm121_grouped,triton} || pr=sm121_grouped
                   VLLM_SM121_MOE_GROUPED_ACT_BF16=$v python3 benchmarks/moe.py --m ${MOE_M:-64,512,2048} --providers $pr --out "$OUT/moe_actbf16_$v.json" 2>&1 | tee "/tmp/moeactbf16_$v.log" | grep -v "^INFO\|^WARNING" | tail -n 8; [ "${PIPESTATUS[0]}" = 0 ] || fail=1; done; (exit $fail) ;;
     moewsweep) python3 benchmarks/moe.py --m ${MOE_M:-8,16,32} --providers sm121_fma,triton --fma-tiles "${MOE_FMA_TILES:-64,256,32,256,4,3;64,256,32,256,4,2;64,256,32,256,8,3;128,256,64,256,4,3;64,128,32,128,4,3}" --out "$OUT/moe_window_sweep.json" 2>&1 | tee "$OUT/moewsweep.log" | grep -v "^INFO\|^WARNING" | tail -n 60 ;;  # FMA tiles of the windowed launches (M > 4)
     windowtests) python3 -m pytest -q -s tests/test_moe.py -k "windows or fma_block_path" --device cuda -p no:cacheprovider > "$OUT/windowtests.log" 2>&1; r1=$?
@@ -208,6 +209,18 @@ for step in "$@"; do
                  python3 -m pytest -q -s -m gpu tests/test_moe_block.py -k "gpt_oss_shapes" -p no:cacheprovider >> "$OUT/windowtests.log" 2>&1; r2=$?
                  grep -E "M=|passed|failed|Error" "$OUT/windowtests.log" | tail -n 40; [ $r1 -eq 0 ] && [ $r2 -eq 0 ] ;;
     moechunk) python3 benchmarks/moe.py --m 1,4,5,8,16,32,64 --providers sm121_fma,sm121_decode,sm121_grouped,triton --out "$OUT/moe_chunk.json" 2>&1 | tee "$OUT/moechunk.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
+    inductordump) # stop 43: which Inductor kernels the plugin's compiled decode graph keeps (a 1.9 us add + RMSNorm per
+                  # carried layer in the 120b profiles): one tiny engine, then the generated kernels' names, their
+                  # source and the FX graph lines that feed them
+                  export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_dump VLLM_CACHE_ROOT=/tmp/vllm_cache_dump; rm -rf /tmp/inductor_dump /tmp/vllm_cache_dump
+                  python3 benchmarks/e2e.py --model models/gpt-oss-tiny --configs "${E2E_CONFIGS:-sm121-all-moe}" --points tg128 --iters 2 \
+                    --llm-kwargs '{"compilation_config":{"cudagraph_capture_sizes":[1]}}' --out "$OUT/e2e_tiny_dump.json" > /tmp/inductordump.log 2>&1; r=$?
+                  tail -n 5 /tmp/inductordump.log
+                  { echo "== kernels defined (name: file)"; grep -rhoE "def (triton_[a-z_0-9]+)" /tmp/inductor_dump /tmp/vllm_cache_dump 2>/dev/null | sort | uniq -c
+                    echo "== FX graph lines with norm / rms / add"; grep -rhE "rms_norm|fused_add|sm121\.|vllm_ir" /tmp/vllm_cache_dump --include=*.py 2>/dev/null | sort | uniq -c | sort -rn | head -n 60
+                    for f in $(grep -rlE "def triton_red_fused_[a-z_0-9]*rms_norm" /tmp/inductor_dump /tmp/vllm_cache_dump 2>/dev/null | head -n 3); do
+                      echo "== $f"; grep -nE "def triton_red|origin|@triton|# kernel path|triton_red_fused_[a-z_0-9]*rms_norm[a-z_0-9]*\.run|# Source Nodes|# Original ATen" "$f" | head -n 80; done
+                  } > "$OUT/inductordump.txt" 2>&1; head -c 12000 "$OUT/inductordump.txt"; (exit $r) ;;
     e2etiny) python3 benchmarks/e2e.py --model models/gpt-oss-tiny --configs "${E2E_CONFIGS:-upstream-default,upstream-triton,sm121,sm121-graph-a,sm121-graph}" --points "${E2E_POINTS:-tg128,tg128-b8}" ${E2E_ARGS:-} --out "$OUT/e2e_tiny${E2E_TAG:-}.json" 2>&1 | tee "$OUT/e2e_tiny${E2E_TAG:-}.log" | tail -n 40 ;;
     profilewm) fail=0; for a in "default|--backend default" "sm121|--backend SM121" "wm_a|--whole-model" "wm|--whole-model" "wm_p|--whole-model"; do
                tag=${a%%|*}; args=${a#*|}; [ "$tag" = wm_a ] && fp=0 || fp=1; [ "$tag" = wm_p ] && pp=1 || pp=0
