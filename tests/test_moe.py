@@ -935,7 +935,11 @@ def test_grouped_weight_f2_switch(device, grouped_decoder):
 # GPU only (the interpreter ignores warps and stages): the sm_90 table's tiles, 8-warp ones included, with
 # experts over several full tiles (the 64-token, 8-warp tile gave relL2 0.17 at M = 2048 on an H200, stop 43)
 BF16_HALVES_GPU_CASES = [(160, 256, 128, 4, 2, t) for t in
-                         ("64,128,128,8,3", "64,128,128,4,3", "32,128,128,8,3", "16,128,128,8,3", "32,128,128,4,4")]
+                         ("64,128,128,8,3", "64,128,128,4,3", "32,128,128,8,3", "16,128,128,8,3", "32,128,128,4,4")] + [
+    (160, 320, 192, 4, 2, "64,128,128,8,3"),  # K and I not multiples of 128 (zero-padded last block)
+    (2048, 2880, 2880, 128, 4, "64,128,128,8,3"),  # gpt-oss-120b's shapes at M = 2048 (passed on 4 experts: stop 43)
+    (2048, 2880, 2880, 128, 4, "32,128,128,4,4"),
+]
 
 
 @pytest.mark.parametrize("m,k,i,e,topk,tiles", [c for c in GROUPED_CASES if c[1] % 128 or c[0] == 9]
@@ -959,7 +963,7 @@ def test_grouped_fc1_bf16_halves_activations_give_the_same_bits(device, m, k, i,
     kp = -(-k // 128) * 128
     assert h.shape == (m, kp) and h.dtype == torch.bfloat16  # (the padding zeros spread over the last block)
     vals = torch.nn.functional.pad(mxfp8_dequantize_torch(a, a_scale.clamp(min=1)), (0, kp - k))
-    for b in range(kp // 128):
+    for b in range(kp // 128 if m <= 160 else 0):  # (a Python loop per token: the small cases)
         blk = vals[:, 128 * b:128 * (b + 1)].T  # [128, m]
         ev, od = (torch.stack(t) for t in zip(*[_act_halves_torch(blk[:, c]) for c in range(m)]))
         assert torch.equal(h[:, 128 * b:128 * b + 64].float(), ev) and torch.equal(h[:, 128 * b + 64:128 * (b + 1)].float(), od)
@@ -974,6 +978,11 @@ def test_grouped_fc1_bf16_halves_activations_give_the_same_bits(device, m, k, i,
         want = K.moe_fc2_grouped(*args, tiles=tl_, act_bf16=False)
         assert torch.equal(K.moe_fc2_grouped(*args, tiles=tl_, act_bf16=True).cpu(), want.cpu())
         assert want.float().abs().max() > 0
+        if m > 160:  # the large cases also without the F2 multiply (scale bytes <= 128), as moe_block runs them
+            f1 = [K.moe_fc1_swiglu_grouped(*dev, tiles=tl_, act_bf16=b, w_f2=False) for b in (False, True)]
+            assert all(torch.equal(x.view(torch.uint8).cpu(), y.view(torch.uint8).cpu()) for x, y in zip(*f1))
+            f2 = [K.moe_fc2_grouped(*f1[0], *args[2:], tiles=tl_, act_bf16=b, w_f2=False) for b in (False, True)]
+            assert torch.equal(f2[0].cpu(), f2[1].cpu())
     # the switch: off by default, N > 1 = tiles of at least N tokens
     t16, t64 = K.GroupedTiles(16, 128, 64, 4, 4), K.GroupedTiles(64, 128, 128, 8, 3)
     monkeypatch.delenv(K.GROUPED_ACT_BF16_ENV, raising=False)
