@@ -391,16 +391,18 @@ def moe_specs(family: str) -> list[Spec]:
                                       constexprs=dict(sp.constexprs, BLOCK_K=tiles[0].block_k, HALVES=False))
                   for sp in first]
         # FC1 / FC2 with bf16 halves-order activations ($VLLM_SM121_MOE_GROUPED_ACT_BF16, opt-in), every tile
+        # that may take them (M.grouped_act_bf16: at most GROUPED_ACT_BF16_MAX_WARPS warps)
+        act_tiles = [t for t in tiles if t.num_warps <= M.GROUPED_ACT_BF16_MAX_WARPS]
         specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bf16 halves act]",
                                       constexprs=dict(sp.constexprs, A_MXFP8=False, A_HALVES=True),
                                       ptr_types=dict(sp.ptr_types, a_ptr="*bf16"))
                   for sp in specs if sp.name.startswith("moe_fc1_grouped[gpt-oss K2880 I2880 top4, mxfp8 in")
-                  and any(sp.name.endswith(f"tile {t.spec()}]") for t in tiles)]
+                  and any(sp.name.endswith(f"tile {t.spec()}]") for t in act_tiles)]
         specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bf16 halves act]",
                                       constexprs=dict(sp.constexprs, A_HALVES=True),
                                       ptr_types=dict(sp.ptr_types, h_ptr="*bf16"))
                   for sp in specs if sp.name.startswith("moe_fc2_grouped")
-                  and any(sp.name.endswith(f"tile {t.spec()}]") for t in tiles)]
+                  and any(sp.name.endswith(f"tile {t.spec()}]") for t in act_tiles)]
     return specs
 
 

@@ -66,6 +66,8 @@ Limitations
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
 
 import torch
@@ -1018,18 +1020,38 @@ def act_halves_bf16_torch(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tenso
 
 
 # Prefill FC1 with its MXFP8 activations handed over as bf16 in the halves order (one torch pre-pass, then no
-# decode, permutation or shared-memory store of them in the K loop): opt-in, not timed yet (stop 42, CPU- and
-# AOT-tested; docs/mxfp4-layout-design.md "Stop 42"). 0 / 1, read at call time; tiles of at least this many
-# tokens take it when set to a number > 1 (1: every grouped FC1 with MXFP8 input).
+# decode, permutation or shared-memory store of them in the K loop): opt-in (stop 42; docs/mxfp4-layout-design.md
+# "Stop 42"). 0 / 1, read at call time; tiles of at least this many tokens take it when set to a number > 1
+# (1: every grouped FC1 with MXFP8 input). Timed in stop 43 (H200, 23085b8, moe_block µs off / on): M = 64
+# 795.9 / 751.1, M = 512 1,194.6 / 1,183.5, M = 2048 2,521.8 / 2,559.5, where the outputs were also wrong
+# (relL2 0.17): the sm_90 tile there (64,128,128,8,3) gives other FC1 bits with bf16 activations and without
+# F2 at gpt-oss-120b's shapes (tests/test_moe.py, 128 experts, M = 2048; the same tile with F2, at 4 experts,
+# and the 4-warp tiles gave the same bits). Not localized (most likely the 8-warp pipeline of that build), so
+# tiles of more than GROUPED_ACT_BF16_MAX_WARPS warps keep the MXFP8 operand, logged once.
 GROUPED_ACT_BF16_ENV = "VLLM_SM121_MOE_GROUPED_ACT_BF16"
+GROUPED_ACT_BF16_MAX_WARPS = 4
 
 
 def grouped_act_bf16(tiles: GroupedTiles) -> bool:
     """Whether a grouped FC1 / FC2 with ``tiles`` takes bf16 halves-order activations when it runs the
     halves decoder ($VLLM_SM121_MOE_GROUPED_ACT_BF16: 0 off (default), 1 always, N > 1 for tiles of >= N
-    tokens; the launchers check the decoder)."""
+    tokens; the launchers check the decoder). Never for tiles of more than GROUPED_ACT_BF16_MAX_WARPS
+    warps (wrong bits measured there, see above; logged once when the variable asks for such a tile)."""
     n = V.env_int(GROUPED_ACT_BF16_ENV, 0)
-    return n > 0 and tiles.block_m >= n
+    if not (n > 0 and tiles.block_m >= n):
+        return False
+    if tiles.num_warps > GROUPED_ACT_BF16_MAX_WARPS:
+        _log_once(f"${GROUPED_ACT_BF16_ENV}={n}: grouped tiles {tiles.spec()} keep MXFP8 activations (bf16 halves-order "
+                  f"activations gave wrong outputs with {tiles.num_warps} warps on an H200; tiles of <= "
+                  f"{GROUPED_ACT_BF16_MAX_WARPS} warps take them)")
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(msg: str) -> None:
+    """A warning under vLLM's ``vllm.sm121`` logger, once per message."""
+    logging.getLogger("vllm.sm121").warning(msg)
 
 
 def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=None, tiles: GroupedTiles | None = None,
