@@ -251,6 +251,11 @@ CONFIGS: tuple[Config, ...] = (
     Config("sm121-all-moe-kvqkv", _all_on(),
            "sm121-all-moe + the k / v heads written to the nvfp4 KV cache by the qkv GEMV (opt-in)", **OFF,
            env=(MOE_ON, ("VLLM_SM121_KV_IN_QKV", "1"))),
+    # Opt-in (stop 43; interpreter- and AOT-tested, not yet run on a GPU): a decode step's nvfp4 KV write inside the
+    # attention kernel (one launch per layer fewer than the default's write kernel; compatible with the carried norm)
+    Config("sm121-all-moe-kvattn", _all_on(),
+           "sm121-all-moe + decode steps' nvfp4 KV write inside the attention kernel (opt-in)", **OFF,
+           env=(MOE_ON, ("VLLM_SM121_KV_IN_ATTN", "1"))),
     Config("sm121-all-moe-minsplit", _all_on(),
            "sm121-all-moe with live attention splits of >= $E2E_MIN_SPLIT_TOKENS (default 128) KV tokens",
            **OFF, env=(MOE_ON, ("VLLM_SM121_ATTN_MIN_SPLIT_TOKENS", os.environ.get("E2E_MIN_SPLIT_TOKENS", "128")))),

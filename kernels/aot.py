@@ -183,6 +183,11 @@ def attention_specs(family: str) -> list[Spec]:
     specs.append(dataclasses.replace(base, name=base.name[:-1] + ",l2-prefetch]",
                                      constexprs=dict(base.constexprs, PF=True, PF_LANES=128, PF_LINE=128),
                                      ptr_types=dict(base.ptr_types, pf_ptr="*u8")))
+    # ... and writing the step's new tokens itself ($VLLM_SM121_KV_IN_ATTN=1: no write launch before it)
+    specs.append(dataclasses.replace(base, name=base.name[:-1] + ",kv-write]",
+                                     constexprs=dict(base.constexprs, KV_WRITE=True),
+                                     ptr_types=dict(base.ptr_types, kw_key_ptr="*bf16", kw_value_ptr="*bf16",
+                                                    kw_slot_ptr="*i64")))
     specs.append(Spec(
         name="combine_splits[d64,sinks]", fn=_combine_splits_kernel,
         constexprs=dict(HEAD_SIZE=64, HEAD_PAD=64, NUM_SPLITS=8, USE_SINKS=True, KV_FP8=True),

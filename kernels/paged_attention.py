@@ -41,6 +41,7 @@ from . import _validate as V
 from . import l2_prefetch
 from ._validate import _dummy, _next_pow2, pdl_launch
 from .fp4_kv import Nvfp4Pages
+from .fp4_kv import _check as _fp4_write_check
 from .paged_attention_details._paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
 MAX_SPLITS = 64
@@ -247,6 +248,7 @@ def paged_attention(
     tile: _platform.AttnTile | None = None,
     check: bool = True,
     prefetch: torch.Tensor | None = None,
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [T, Hq, D] against paged KV; returns ``out`` [T, Hq, D].
 
@@ -259,6 +261,9 @@ def paged_attention(
     instead of exiting at once; other launches prefetch nothing (``l2_prefetch``; GPU only,
     results unchanged). Programs with work never issue the hints: an H100 probe
     (``benchmarks/l2_probe.py``) showed a kernel's programs waiting ~5 us for 14.7 MB of them.
+    ``kv_write=(key, value, slot_mapping)`` (nvfp4 pages, ``max_query_len == 1``): the step's new
+    tokens are not in the cache yet; the kernel writes them (each sequence's token, the same bytes as
+    ``fp4_kv_write``) before it reads them, so no write launch precedes it (``kv_write_check``).
     """
     kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
     if not check:
@@ -270,7 +275,11 @@ def paged_attention(
                            kv_fp8=False, kv_nvfp4=True, k_scale=key_cache.global_scale,
                            v_scale=value_cache.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
                            scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
-                           num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch)
+                           num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch,
+                           kv_write=kv_write)
+        if kv_write is not None:
+            raise ValueError("kv_write takes nvfp4 pages (Nvfp4Pages); the bf16 / fp8 caches are written by "
+                             "write_kv_cache")
         return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
                        kv_fp8=key_cache.dtype in V.FP8_DTYPES, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale,
                        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
@@ -280,10 +289,16 @@ def paged_attention(
     if kv_nvfp4 != isinstance(value_cache, Nvfp4Pages):
         raise ValueError("key_cache and value_cache must both be Nvfp4Pages or both be tensors")
     if kv_nvfp4:
+        if kv_write is not None:
+            kv_write_check(q, key_cache, value_cache, max_query_len, *kv_write)
         return _paged_attention_nvfp4(q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                       max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
                                       sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
-                                      num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch)
+                                      num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch,
+                                      kv_write=kv_write)
+    if kv_write is not None:
+        raise ValueError("kv_write takes nvfp4 pages (Nvfp4Pages); the bf16 / fp8 caches are written by "
+                         "write_kv_cache")
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
     V.check_ndim("key_cache", key_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
     V.check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
@@ -345,9 +360,28 @@ def _check_common(q, num_kv_heads, block_table, query_start_loc, seq_lens, slidi
     return out
 
 
+def kv_write_check(q, k_pages: Nvfp4Pages, v_pages: Nvfp4Pages, max_query_len: int, key, value, slot_mapping) -> None:
+    """Why ``paged_attention(..., kv_write=(key, value, slot_mapping))`` cannot write the new tokens itself:
+    raises ValueError naming what (else returns)."""
+    if max_query_len != 1:
+        raise ValueError(f"kv_write needs one query token per sequence (max_query_len=1), got max_query_len="
+                         f"{max_query_len}: write the cache with fp4_kv_write first")
+    _fp4_write_check(key, value, k_pages, v_pages, slot_mapping)
+    for name, t in (("key", key), ("value", value)):
+        V.check_last_dim_contiguous(name, t)
+    if key.shape[0] < q.shape[0]:
+        raise ValueError(f"kv_write: key has {key.shape[0]} rows for {q.shape[0]} query tokens")
+    V.check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    bs, d = k_pages.shape[2], k_pages.shape[3]
+    for name, p in (("k_pages", k_pages), ("v_pages", v_pages)):  # the write's in-page layout
+        if p.data.stride()[1:] != (bs * d // 2, d // 2, 1) or p.scales.stride()[1:] != (bs * d // 16, d // 16, 1):
+            raise ValueError(f"kv_write: {name} is not [Hkv][block][head] within a page (data strides "
+                             f"{p.data.stride()}, scale strides {p.scales.stride()})")
+
+
 def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_start_loc, seq_lens, *,
                            max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out, num_splits,
-                           workspace, tile, prefetch=None):
+                           workspace, tile, prefetch=None, kv_write=None):
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
     V.check_dtype("q", q, V.ACT_DTYPES)
     head_size = q.shape[2]
@@ -362,7 +396,7 @@ def _paged_attention_nvfp4(q, k: Nvfp4Pages, v: Nvfp4Pages, block_table, query_s
                    query_start_loc, seq_lens, kv_fp8=False, kv_nvfp4=True, k_scale=k.global_scale,
                    v_scale=v.global_scale, max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
                    sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out, num_splits=num_splits,
-                   workspace=workspace, tile=tile, prefetch=prefetch)
+                   workspace=workspace, tile=tile, prefetch=prefetch, kv_write=kv_write)
 
 
 def _word_aligned(*pages: torch.Tensor) -> bool:
@@ -372,7 +406,7 @@ def _word_aligned(*pages: torch.Tensor) -> bool:
 
 def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_start_loc, seq_lens, *, kv_fp8,
             kv_nvfp4, k_scale, v_scale, max_query_len, max_seq_len, scale, sliding_window, softcap, sinks, out,
-            num_splits, workspace, tile, prefetch=None):
+            num_splits, workspace, tile, prefetch=None, kv_write=None):
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -431,6 +465,12 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
     # only the fused merge's idle splits issue the hints: other launches compile without them
     pf_ptr, pf_bytes, pf_kw = l2_prefetch.launch_args(prefetch if fused else None, q)
     seq_chunk = max(16, _next_pow2(num_seqs)) if kind.startswith("decode") and num_seqs <= SEQ_CHUNK_MAX else 0
+    if kv_write is not None:
+        kw_key, kw_value, kw_slot = kv_write
+        kw_strides = (kw_key.stride(0), kw_key.stride(1), kw_value.stride(0), kw_value.stride(1))
+    else:
+        kw_key = kw_value = kw_slot = dummy
+        kw_strides = (0, 0, 0, 0)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, workspace.cnt if fused else dummy, q, key_cache, value_cache, k_bs, v_bs,
         block_table, seq_lens, query_start_loc, sinks_t, k_scale_t, v_scale_t,
@@ -440,7 +480,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         k_bs.stride(0) if kv_nvfp4 else 0, k_bs.stride(1) if kv_nvfp4 else 0,
         v_bs.stride(0) if kv_nvfp4 else 0, v_bs.stride(1) if kv_nvfp4 else 0,
-        block_table.stride(0), pf_ptr, pf_bytes,
+        block_table.stride(0), pf_ptr, pf_bytes, kw_key, kw_value, kw_slot, *kw_strides,
         NUM_Q_PER_KV=num_q_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
         SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=softcap is not None,
@@ -455,6 +495,7 @@ def _launch(q, key_cache, value_cache, k_bscale, v_bscale, block_table, query_st
         SEQ_CHUNK=seq_chunk, FUSED_COMBINE=fused,
         ONE_SPLIT_FINISH=fused and attn_one_split_finish(),
         MIN_SPLIT_TILES=min_split_tiles(tile.tile_n) if num_splits > 1 else 1, **pf_kw, **pdl_launch(q),
+        KV_WRITE=kv_write is not None,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1 and not fused:

@@ -272,3 +272,61 @@ def test_nvfp4_scales_from_the_first_real_tokens(backend_parts, monkeypatch, opt
             cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode))
             monkeypatch.setattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: cfg)
             assert make()._real_scale_pending == pending, mode
+
+
+@pytest.mark.parametrize("layer", ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"])
+def test_nvfp4_decode_write_inside_the_attention_kernel(backend_parts, layer, monkeypatch):
+    """$VLLM_SM121_KV_IN_ATTN=1: for a decode batch (one query token per sequence, graph padding after it)
+    vLLM's update op leaves the new tokens to the attention launch, which writes them: the cache bytes and
+    the output equal the default order (write kernel, then attention). A batch with a longer query still
+    takes the write kernel in the update op."""
+    import vllm.forward_context as fc
+
+    from vllm_sm121.attention.backend import SM121AttentionBackend
+    from vllm_sm121.attention.impl import KV_IN_ATTN_ENV, SM121AttentionImpl
+
+    builder, impls = backend_parts
+    old = impls[layer]
+    q_lens, seq_lens = [1, 1, 1], [70, 33, 20]
+    b = make_paged_batch(q_lens, seq_lens, num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
+    nb = b.key_cache.shape[0]
+    g = torch.Generator().manual_seed(9)
+    ctx = _slots(b, [0] * 3, [s - 1 for s in seq_lens])
+    new = _slots(b, [s - 1 for s in seq_lens], seq_lens)
+    slot_mapping = torch.tensor(new + [-1] * 2, dtype=torch.int64)  # 2 graph-padding rows
+    k1, v1 = ((torch.randn(len(ctx), HKV, D, generator=g) * 1e-3).bfloat16() for _ in range(2))
+    k2, v2 = ((torch.randn(5, HKV, D, generator=g) * 1e-3).bfloat16() for _ in range(2))
+    q = torch.randn(5, HQ, D, generator=g).bfloat16()
+    layer_ns = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), layer_name=layer)
+
+    def step(in_attn: bool):
+        monkeypatch.setenv(KV_IN_ATTN_ENV, "1" if in_attn else "0")
+        impl = SM121AttentionImpl(HQ, D, old.scale, HKV, None, old.sliding_window, "nvfp4", old.logits_soft_cap,
+                                  "decoder", None, sinks=old.sinks)
+        impl.process_weights_after_loading(torch.bfloat16)
+        assert impl._kv_in_attn == in_attn
+        kv_cache = torch.zeros(SM121AttentionBackend.get_kv_cache_shape(nb, BS, HKV, D, "nvfp4"), dtype=torch.uint8)
+        monkeypatch.setattr(fc, "is_forward_context_available", lambda: False)
+        impl.do_kv_cache_update(layer_ns, k1, v1, kv_cache, torch.tensor(ctx, dtype=torch.int64))  # the context
+        md = builder.build(0, _common(b, slot_mapping))
+        monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+        monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md}))
+        before = kv_cache.clone()
+        impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
+        assert torch.equal(kv_cache, before) == in_attn  # the update op wrote nothing when the kernel writes
+        assert (impl._kv_for_attn is not None) == in_attn
+        output = torch.full((5, HQ * D), 7.0, dtype=torch.bfloat16)
+        impl.forward(layer_ns, q.view(5, HQ * D), k2, v2, kv_cache, md, output)
+        assert impl._kv_for_attn is None
+        return kv_cache, output, impl
+
+    c_off, o_off, _ = step(False)
+    c_on, o_on, impl = step(True)
+    assert torch.equal(c_on, c_off) and torch.equal(o_on, o_off) and (o_on[3:] == 7.0).all()
+    # a prefill chunk in the same configuration: the update op writes (the kernel writes decode launches only)
+    p = make_paged_batch([4], [20], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
+    md = builder.build(0, _common(p, torch.arange(16, 20, dtype=torch.int64)))
+    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md}))
+    kv_cache = torch.zeros_like(c_on)
+    impl.do_kv_cache_update(layer_ns, k2[:4], v2[:4], kv_cache, torch.arange(16, 20, dtype=torch.int64))
+    assert impl._kv_for_attn is None and kv_cache.any()

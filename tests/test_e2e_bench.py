@@ -234,6 +234,8 @@ def test_configs_table():
     assert by["sm121-all-moe-stop26"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     assert dict(by["sm121-all-moe-kvqkv"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_KV_IN_QKV": "1"}
     assert by["sm121-all-moe-kvqkv"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
+    assert dict(by["sm121-all-moe-kvattn"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1", "VLLM_SM121_KV_IN_ATTN": "1"}
+    assert by["sm121-all-moe-kvattn"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     assert dict(by["sm121-all-moe-minsplit"].env) == {"VLLM_SM121_MOE_EXPERIMENTAL": "1",
                                                       "VLLM_SM121_ATTN_MIN_SPLIT_TOKENS": "128"}
     assert by["sm121-all-moe-minsplit"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
@@ -244,7 +246,8 @@ def test_configs_table():
     assert by["sm121-all-moe-l2"].llm_kwargs == by["sm121-all-moe-l2o"].llm_kwargs == by["sm121-all-moe"].llm_kwargs
     dense_env = ("sm121-fp8dense-w8a8", "sm121-graph-a", "sm121-graph-sample", "sm121-all-moe-pdl", "sm121-all-moe-tma",
                  "sm121-all-moe-fused", "sm121-all-moe-f16x2", "sm121-all-moe-exact", "sm121-all-moe-rope",
-                 "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-minsplit", "sm121-all-moe-l2o",
+                 "sm121-all-moe-stop26", "sm121-all-moe-kvqkv", "sm121-all-moe-kvattn", "sm121-all-moe-minsplit",
+                 "sm121-all-moe-l2o",
                  "sm121-all-moe-l2", "sm121-all-moe-mmav", "sm121-all-moe-steppdl", "sm121-all-moe-merge1",
                  "sm121-all-moe-pdlkv", "sm121-all-moe-f16group", "sm121-all-moe-scaleldg", "sm121-all-moe-optins",
                  "sm121-all-moe-tile32", "sm121-all-moe-tile64", "sm121-all-moe-scalebytes", "sm121-all-moe-normqkv",

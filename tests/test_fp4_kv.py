@@ -254,3 +254,75 @@ def test_nvfp4_refuses_kv_sharing_layers():
     with pytest.raises(ValueError, match="--kv-cache-dtype nvfp4: KV-cache sharing .*model.layers.0.attn"):
         SM121AttentionImpl(8, 64, 0.125, 2, None, None, "nvfp4", None, "decoder", "model.layers.0.attn")
     SM121AttentionImpl(8, 64, 0.125, 2, None, None, "auto", None, "decoder", "model.layers.0.attn")  # bf16: fine
+
+
+@pytest.mark.parametrize("seq_lens,window,splits,fused", [
+    ([40, 17, 1], None, None, False),  # one split: every program writes its sequence's token
+    ([70, 33], 16, None, False),  # sliding window
+    ([20, 70], None, 4, True),  # split KV, in-kernel merge: only the split reading the last tile writes
+    ([70, 5], None, 4, False),  # split KV, merge launch; the short sequence's splits past its end stay idle
+])
+def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits, fused):
+    """``paged_attention(..., kv_write=...)`` (decode: one query token per sequence): the kernel writes each
+    sequence's new token into its nvfp4 slot before reading it. The cache bytes and the output equal those
+    of ``fp4_kv_write`` followed by the attention (graph padding included: a padding query row whose slot
+    is -1, and a padding sequence with no query token, write nothing); refused for longer queries and for
+    bf16 pages."""
+    from vllm_sm121.kernels import paged_attention
+    from vllm_sm121.kernels.paged_attention import SplitWorkspace
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    lens = seq_lens + [0]  # a padding sequence (no query token)
+    pages = [(s + bs - 1) // bs for s in lens]
+    block_table = torch.zeros(len(lens), max(max(pages), 1), dtype=torch.int32)
+    nxt = 1
+    for i, n in enumerate(pages):
+        for p in range(n):
+            block_table[i, p] = nxt
+            nxt += 1
+    slot = lambda i, t: int(block_table[i, t // bs]) * bs + t % bs  # noqa: E731
+    cache = torch.zeros(nxt + 1, 2, hkv * bs * nvfp4_full_dim(d), dtype=torch.uint8)
+    gk, gv = torch.tensor([5.0 / 2688]), torch.tensor([3.0 / 2688])
+    kp, vp = (Nvfp4Pages.view(cache[:, i], hkv, bs, d, s) for i, s in ((0, gk), (1, gv)))
+    ctx = [slot(i, t) for i, s in enumerate(seq_lens) for t in range(s - 1)]
+    kv = torch.randn(len(ctx), 2, hkv, d, generator=g).bfloat16()
+    fp4_kv_write_torch(kv[:, 0], kv[:, 1], kp, vp, torch.tensor(ctx))
+    n_q = len(seq_lens) + 1  # one query token per sequence, then a padding row
+    new_slots = torch.tensor([slot(i, s - 1) for i, s in enumerate(seq_lens)] + [-1], dtype=torch.int64)
+    key = torch.randn(n_q, hkv, d, generator=g).bfloat16()
+    value = torch.randn(n_q, hkv, d, generator=g).bfloat16()
+    q = torch.randn(n_q, hq, d, generator=g).bfloat16()
+    qsl = torch.tensor(list(range(len(seq_lens) + 1)) + [len(seq_lens)], dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    sinks = torch.randn(hq, generator=g)
+    dev = lambda t: t.to(device)  # noqa: E731
+
+    def run(in_kernel: bool):
+        c = dev(cache.clone())
+        kpd, vpd = (Nvfp4Pages.view(c[:, i], hkv, bs, d, dev(s)) for i, s in ((0, gk), (1, gv)))
+        ws = SplitWorkspace.allocate(n_q, hq, splits, d, c.device) if splits else None
+        if not fused and ws is not None:
+            ws.cnt = None
+        out = torch.full((n_q, hq, d), 7.0, dtype=torch.bfloat16, device=c.device)
+        if not in_kernel:
+            fp4_kv_write(dev(key), dev(value), kpd, vpd, dev(new_slots))
+        paged_attention(dev(q), kpd, vpd, dev(block_table), dev(qsl), dev(sl), max_query_len=1,
+                        max_seq_len=max(lens), scale=0.125, sliding_window=window, sinks=dev(sinks),
+                        num_splits=splits, workspace=ws, out=out,
+                        kv_write=(dev(key), dev(value), dev(new_slots)) if in_kernel else None)
+        return c.cpu(), out.cpu()
+
+    (c_ref, o_ref), (c_got, o_got) = run(False), run(True)
+    assert torch.equal(c_got, c_ref)
+    assert torch.equal(o_got, o_ref) and (o_ref[-1] == 7.0).all() and o_ref[:-1].float().abs().max() > 0
+    assert not torch.equal(c_ref, cache)  # the new tokens were written at all
+    kpd, vpd = (Nvfp4Pages.view(dev(cache)[:, i], hkv, bs, d, dev(gk)) for i in (0, 1))
+    args = (dev(q), kpd, vpd, dev(block_table), dev(qsl), dev(sl))
+    with pytest.raises(ValueError, match="max_query_len=1"):
+        paged_attention(*args, max_query_len=2, max_seq_len=max(lens), scale=0.125,
+                        kv_write=(dev(key), dev(value), dev(new_slots)))
+    with pytest.raises(ValueError, match="nvfp4 pages"):
+        bf16 = dev(torch.zeros(nxt + 1, hkv, bs, d, dtype=torch.bfloat16))
+        paged_attention(dev(q), bf16, bf16, *args[3:], max_query_len=1, max_seq_len=max(lens), scale=0.125,
+                        kv_write=(dev(key), dev(value), dev(new_slots)))

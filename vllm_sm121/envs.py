@@ -33,6 +33,8 @@ DECLARED: dict[str, tuple[str, str]] = {
     "VLLM_SM121_TP_INVARIANT": ("vllm_sm121/config.py", "one rank computing as TP=2 / EP=2 (tp2, ep2; traced)"),
     "VLLM_SM121_KV_SCALE_TP_MAX": ("vllm_sm121/config.py", "nvfp4 scales from the max over all TP ranks' heads"),
     "VLLM_SM121_KV_SCALE_REAL": ("vllm_sm121/config.py", "nvfp4 scales reset from the first real tokens (opt-in)"),
+    "VLLM_SM121_KV_IN_ATTN": ("vllm_sm121/attention/impl.py",
+                              "decode steps' nvfp4 KV write inside the attention kernel (opt-in)"),
     "VLLM_SM121_ATTN_TILE": ("vllm_sm121/platform.py", "attention tile overrides per kernel kind"),
     "VLLM_SM121_MIXED_SPLIT": ("vllm_sm121/attention/metadata.py", "a mixed batch's decodes in their own launch"),
     "VLLM_SM121_ATTN_FUSED_COMBINE": ("kernels/paged_attention.py", "split merge inside the attention kernel"),

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .._sync import last_to_arrive
+from ..fp4_kv_details._fp4_kv import nvfp4_store_slot
 from ..moe_details._mx import pdl_wait_then_release
 from .._prefetch import prefetch_l2
 
@@ -169,6 +170,22 @@ def _scale_bytes(words, h2):
 
 
 @triton.jit
+def _write_token_nvfp4(key_ptr, value_ptr, slot_ptr, row, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+                       k_data_ptr, k_scale_ptr, v_data_ptr, v_scale_ptr, stride_kd_b, stride_ks_b, stride_vd_b,
+                       stride_vs_b, k_global_ptr, v_global_ptr, HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """KV_WRITE: token ``row``'s K and V of head ``kv_head`` quantized into its nvfp4 page slot (vLLM's
+    ``slot_ptr[row]``; < 0 writes nothing), as ``kernels/fp4_kv.py``'s write kernel stores them."""
+    offs_d = tl.arange(0, HEAD)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    k = tl.load(key_ptr + row * stride_kt + kv_head * stride_kh + offs_d).to(tl.float32)
+    v = tl.load(value_ptr + row * stride_vt + kv_head * stride_vh + offs_d).to(tl.float32)
+    nvfp4_store_slot(k[None, :], tl.load(k_global_ptr), slot, kv_head, k_data_ptr, k_scale_ptr, stride_kd_b,
+                     stride_ks_b, 1, HEAD, BLOCK_SIZE)
+    nvfp4_store_slot(v[None, :], tl.load(v_global_ptr), slot, kv_head, v_data_ptr, v_scale_ptr, stride_vd_b,
+                     stride_vs_b, 1, HEAD, BLOCK_SIZE)
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
     """Index of the sequence whose query blocks contain program ``q_block_global``.
 
@@ -251,6 +268,13 @@ def _paged_attention_kernel(
     stride_bt: tl.int64,
     pf_ptr,  # PF: uint8 bytes to prefetch into L2 for the next kernel (kernels/l2_prefetch.py)
     pf_bytes,  # PF: their count
+    kw_key_ptr,  # KV_WRITE: [T, Hkv, HEAD_SIZE] the step's new keys (bf16 / fp16 / fp32)
+    kw_value_ptr,  # KV_WRITE: [T, Hkv, HEAD_SIZE] the step's new values
+    kw_slot_ptr,  # KV_WRITE: [T] int64 cache slots (< 0: not written), vLLM's slot mapping
+    stride_kw_kt: tl.int64,
+    stride_kw_kh: tl.int64,
+    stride_kw_vt: tl.int64,
+    stride_kw_vh: tl.int64,
     NUM_Q_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -278,9 +302,12 @@ def _paged_attention_kernel(
     PF_LANES: tl.constexpr = 128,
     PF_LINE: tl.constexpr = 128,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent ($VLLM_SM121_PDL): wait first thing
+    KV_WRITE: tl.constexpr = False,  # KV_NVFP4, one query token per sequence: the program that reads the last KV
+    # tile writes its sequence's new token (this KV head's K and V) into the cache first (no write launch)
 ):
     if PDL:
         pdl_wait_then_release()
+    tl.static_assert(not KV_WRITE or KV_NVFP4, "KV_WRITE writes nvfp4 pages")
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -301,6 +328,7 @@ def _paged_attention_kernel(
         kv_begin = 0
     tile_lo = kv_begin // TILE_N
     tile_hi = tl.cdiv(kv_end, TILE_N)
+    last_tile = tile_hi  # (KV_WRITE: the program whose range ends there writes the new token)
     if NUM_SPLITS > 1:
         per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, NUM_SPLITS), MIN_SPLIT_TILES)
         live_splits = tl.cdiv(tile_hi - tile_lo, per_split)  # the others see no KV
@@ -317,6 +345,17 @@ def _paged_attention_kernel(
                 return
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    if KV_WRITE:
+        # One query token per sequence (the launcher checks max_query_len == 1): the new token at position
+        # seq_len - 1 lies in the last tile, which exactly one live split reads. That program quantizes its
+        # KV head's K and V of the token into the page slot vLLM mapped (the write kernel's arithmetic:
+        # the same bytes), then a CTA barrier makes the stores visible to the program's own tile loads.
+        if (tile_lo < tile_hi) & (tile_hi == last_tile):
+            _write_token_nvfp4(kw_key_ptr, kw_value_ptr, kw_slot_ptr, q_start.to(tl.int64), kv_head, stride_kw_kt,
+                               stride_kw_kh, stride_kw_vt, stride_kw_vh, k_cache_ptr, k_bscale_ptr, v_cache_ptr,
+                               v_bscale_ptr, stride_k_b, stride_kb_b, stride_v_b, stride_vb_b, k_scale_ptr,
+                               v_scale_ptr, HEAD_SIZE, BLOCK_SIZE)
+        tl.debug_barrier()
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)

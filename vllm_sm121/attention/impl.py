@@ -12,6 +12,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_sm121 import envs
+from vllm_sm121.envs import env_int
 from vllm_sm121.l2_plan import attention_prefetch
 from vllm_sm121.kernels import paged_attention, write_kv_cache
 from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, calibrate_global_scales, default_global_scale, fp4_kv_write
@@ -19,6 +20,7 @@ from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, calibrate_global_scales, defau
 from .metadata import SM121AttentionMetadata
 
 _FP8_CACHE = ("fp8", "fp8_e4m3")
+KV_IN_ATTN_ENV = "VLLM_SM121_KV_IN_ATTN"
 logger = init_logger("vllm.sm121")
 
 
@@ -125,6 +127,11 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         self._real_scale_pending = self._nvfp4 and _real_scale_calibration_allowed()
         self._pages_src: torch.Tensor | None = None
         self._pages: tuple[Nvfp4Pages, Nvfp4Pages] | None = None
+        # Opt-in (stop 43, interpreter- and AOT-tested, not timed): a decode step's nvfp4 KV write happens
+        # inside the attention kernel (kernels.paged_attention kv_write): vLLM's update op hands the new
+        # tokens over (``_kv_for_attn``) instead of launching the write kernel, one launch fewer per layer.
+        self._kv_in_attn = self._nvfp4 and env_int(KV_IN_ATTN_ENV, 0) == 1
+        self._kv_for_attn: tuple | None = None  # (key, value, slot mapping, the step's metadata)
         fault = envs.VLLM_SM121_FAULT
         if fault:
             logger.warning("SM121 attention: VLLM_SM121_FAULT=%s set: results are deliberately WRONG (tests only)", fault)
@@ -221,6 +228,10 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
                 self._calibrate(key[:n], value[:n], kv_cache.numel())
             if self._real_scale_pending and not (key.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._calibrate_real(key[:n], value[:n], slot_mapping[:n], getattr(layer, "layer_name", "?"))
+            md = self._decode_launch(layer, n) if self._kv_in_attn else None
+            if md is not None:  # the attention kernel writes them (this step's forward, the same metadata)
+                self._kv_for_attn = (key[:n], value[:n], slot_mapping[:n], md)
+                return
             fp4_kv_write(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n], check=not self._write_checked)
             self._write_checked = True
             return
@@ -230,15 +241,46 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
                        check=not self._write_checked)
         self._write_checked = True
 
+    def _decode_launch(self, layer, n_kv: int) -> SM121AttentionMetadata | None:
+        """This step's metadata (vLLM's forward context) if ``forward`` will run one attention launch of one
+        query token per sequence over at most ``n_kv`` token rows: that launch can then write the new tokens
+        itself (``_kv_in_attn``). None otherwise."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        md = get_forward_context().attn_metadata
+        if isinstance(md, list):  # speculative decoding: [0] is the target model's
+            md = md[0] if md else None
+        if isinstance(md, dict):
+            md = md.get(getattr(layer, "layer_name", None))
+        ok = (isinstance(md, SM121AttentionMetadata) and md.max_query_len == 1 and md.num_actual_tokens <= n_kv
+              and not self._mixed_split(md))
+        return md if ok else None
+
+    def _mixed_split(self, md: SM121AttentionMetadata) -> bool:
+        """Whether ``forward`` splits this batch into a decode launch and a launch for the rest."""
+        dp = md.decode_part
+        return dp is not None and dp.num_splits.get(self.sliding_window, 1) > 1
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("SM121 attention does not fuse output quantization")
+        kv_write, self._kv_for_attn = self._kv_for_attn, None  # (the new tokens, when the update op left them)
         if attn_metadata is None:  # profiling run
+            if kv_write is not None:  # (the update op saw metadata: not vLLM's order, but never drop a write)
+                fp4_kv_write(*kv_write[:2], *self._kv(kv_cache), kv_write[2])
             return output
         md: SM121AttentionMetadata = attn_metadata
         n = md.num_actual_tokens
         key_cache, value_cache = self._kv(kv_cache)
+        if kv_write is not None:
+            if kv_write[3] is not md:  # (never in vLLM's order of ops: the update op saw another batch)
+                fp4_kv_write(*kv_write[:2], key_cache, value_cache, kv_write[2])
+                kv_write = None
+            else:
+                kv_write = kv_write[:3]
         sinks = self._sinks_f32 if self._sinks_f32 is not None else (
             self.sinks.float() if self.sinks is not None else None)
         fp8 = self.kv_cache_dtype in _FP8_CACHE
@@ -250,7 +292,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         # the weight of the GEMV after this kernel, prefetched into L2 by it (vllm_sm121/l2_plan.py)
         prefetch = attention_prefetch(layer)
         dp = md.decode_part
-        if dp is not None and dp.num_splits.get(self.sliding_window, 1) > 1:
+        if self._mixed_split(md):
             # mixed batch: the leading decode rows with split KV, then the rest in one launch
             d, r = dp.num_tokens, dp.num_reqs
             splits, workspace = md.decode_splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
@@ -264,6 +306,6 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
             num_splits, workspace = md.splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
             paged_attention(q, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
                             max_query_len=md.max_query_len, out=out, num_splits=num_splits, workspace=workspace,
-                            prefetch=prefetch, **common)
+                            prefetch=prefetch, kv_write=kv_write, **common)
         self._checked = True
         return output
