@@ -210,7 +210,7 @@ for step in "$@"; do
                  grep -E "M=|passed|failed|Error" "$OUT/windowtests.log" | tail -n 40; [ $r1 -eq 0 ] && [ $r2 -eq 0 ] ;;
     moechunk) python3 benchmarks/moe.py --m 1,4,5,8,16,32,64 --providers sm121_fma,sm121_decode,sm121_grouped,triton --out "$OUT/moe_chunk.json" 2>&1 | tee "$OUT/moechunk.log" | grep -v "^INFO\|^WARNING" | tail -n 40 ;;
     kvattn) # stop 43: the decode nvfp4 KV write inside the attention kernel ($VLLM_SM121_KV_IN_ATTN=1): kernel tests on the GPU
-            python3 -m pytest -q -rf --tb=short tests/test_fp4_kv.py -k "writes_the_new or reads_nvfp4" --device cuda -p no:cacheprovider \
+            python3 -m pytest -q -rf --tb=short tests/test_fp4_kv.py -k "writes_the_new or reads_nvfp4 or kv_write_on_the_gpu" --device cuda -p no:cacheprovider \
               > "$OUT/kvattn_tests.log" 2>&1; r=$?; grep -E "^FAILED|passed|failed" "$OUT/kvattn_tests.log" | tail -n 20; (exit $r) ;;
     inductordump) # stop 43: which Inductor kernels the plugin's compiled decode graph keeps (a 1.9 us add + RMSNorm per
                   # carried layer in the 120b profiles): one tiny engine, then the generated kernels' names, their

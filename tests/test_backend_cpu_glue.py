@@ -325,8 +325,30 @@ def test_nvfp4_decode_write_inside_the_attention_kernel(backend_parts, layer, mo
     assert torch.equal(c_on, c_off) and torch.equal(o_on, o_off) and (o_on[3:] == 7.0).all()
     # a prefill chunk in the same configuration: the update op writes (the kernel writes decode launches only)
     p = make_paged_batch([4], [20], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
-    md = builder.build(0, _common(p, torch.arange(16, 20, dtype=torch.int64)))
-    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md}))
+    md_p = builder.build(0, _common(p, torch.arange(16, 20, dtype=torch.int64)))
+    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md_p}))
     kv_cache = torch.zeros_like(c_on)
     impl.do_kv_cache_update(layer_ns, k2[:4], v2[:4], kv_cache, torch.arange(16, 20, dtype=torch.int64))
     assert impl._kv_for_attn is None and kv_cache.any()
+    # graph capture: only a FULL capture (both ops in one graph) hands the write over; a piecewise one may hold
+    # the update op in its graph while the attention runs outside it, so the update op writes
+    from vllm.config import CUDAGraphMode
+
+    md = builder.build(0, _common(b, slot_mapping))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for mode, handed in ((CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.FULL, True)):
+        monkeypatch.setattr(fc, "get_forward_context", lambda m=mode: types.SimpleNamespace(
+            attn_metadata=[{layer: md}], cudagraph_runtime_mode=m))  # (speculative decoding's list form)
+        kv_cache = torch.zeros_like(c_on)
+        impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
+        assert (impl._kv_for_attn is not None) == handed and bool(kv_cache.any()) != handed
+        impl._kv_for_attn = None
+    # a handover that another step's attention finds (never in vLLM's order) is dropped, not written late
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md}))
+    kv_cache = torch.zeros_like(c_on)
+    impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
+    other = builder.build(0, _common(b, slot_mapping))
+    impl.forward(layer_ns, q.view(5, HQ * D), k2, v2, kv_cache, other, torch.zeros(5, HQ * D, dtype=torch.bfloat16))
+    assert impl._kv_for_attn is None and not kv_cache.any()

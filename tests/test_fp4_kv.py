@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from vllm_sm121 import platform as _platform
 from vllm_sm121.kernels.fp4_kv import Nvfp4Pages, fp4_kv_write, fp4_kv_write_torch, nvfp4_full_dim
 
 pytestmark = pytest.mark.interpreter
@@ -256,13 +257,14 @@ def test_nvfp4_refuses_kv_sharing_layers():
     SM121AttentionImpl(8, 64, 0.125, 2, None, None, "auto", None, "decoder", "model.layers.0.attn")  # bf16: fine
 
 
-@pytest.mark.parametrize("seq_lens,window,splits,fused", [
-    ([40, 17, 1], None, None, False),  # one split: every program writes its sequence's token
-    ([70, 33], 16, None, False),  # sliding window
-    ([20, 70], None, 4, True),  # split KV, in-kernel merge: only the split reading the last tile writes
-    ([70, 5], None, 4, False),  # split KV, merge launch; the short sequence's splits past its end stay idle
+@pytest.mark.parametrize("seq_lens,window,splits,fused,hq", [
+    ([40, 17, 1], None, None, False, 8),  # one split: every program writes its sequence's token
+    ([70, 33], 16, None, False, 8),  # sliding window
+    ([20, 70], None, 4, True, 8),  # split KV, in-kernel merge: only the split reading the last tile writes
+    ([70, 5], None, 4, False, 8),  # split KV, merge launch; the short sequence's splits past its end stay idle
+    ([150, 40], None, 2, True, 16),  # gpt-oss's 8 query heads per KV head (2 query tokens per program), 2 tiles
 ])
-def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits, fused):
+def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits, fused, hq):
     """``paged_attention(..., kv_write=...)`` (decode: one query token per sequence): the kernel writes each
     sequence's new token into its nvfp4 slot before reading it. The cache bytes and the output equal those
     of ``fp4_kv_write`` followed by the attention (graph padding included: a padding query row whose slot
@@ -272,7 +274,7 @@ def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits
     from vllm_sm121.kernels.paged_attention import SplitWorkspace
 
     g = torch.Generator().manual_seed(11)
-    hq, hkv, d, bs = 8, 2, 64, 16
+    hkv, d, bs = 2, 64, 16
     lens = seq_lens + [0]  # a padding sequence (no query token)
     pages = [(s + bs - 1) // bs for s in lens]
     block_table = torch.zeros(len(lens), max(max(pages), 1), dtype=torch.int32)
@@ -290,13 +292,17 @@ def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits
     fp4_kv_write_torch(kv[:, 0], kv[:, 1], kp, vp, torch.tensor(ctx))
     n_q = len(seq_lens) + 1  # one query token per sequence, then a padding row
     new_slots = torch.tensor([slot(i, s - 1) for i, s in enumerate(seq_lens)] + [-1], dtype=torch.int64)
-    key = torch.randn(n_q, hkv, d, generator=g).bfloat16()
-    value = torch.randn(n_q, hkv, d, generator=g).bfloat16()
-    q = torch.randn(n_q, hq, d, generator=g).bfloat16()
+    # k and v as vLLM hands them over: strided views of the qkv GEMM's output rows
+    qkv = torch.randn(n_q, (hq + 2 * hkv) * d, generator=g).bfloat16()
+    q, key, value = (t.view(n_q, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
     qsl = torch.tensor(list(range(len(seq_lens) + 1)) + [len(seq_lens)], dtype=torch.int32)
     sl = torch.tensor(lens, dtype=torch.int32)
     sinks = torch.randn(hq, generator=g)
-    dev = lambda t: t.to(device)  # noqa: E731
+    dev = lambda t: t if t.device.type == device else t.to(device)  # noqa: E731
+    if device != "cpu":  # the strided views on the device, as vLLM's
+        qkv = qkv.to(device)
+        q, key, value = (t.view(n_q, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    tile = _platform.AttnTile(16, 64, 4, 1) if len(seq_lens) == 2 and hq == 16 else None  # (several tiles per split)
 
     def run(in_kernel: bool):
         c = dev(cache.clone())
@@ -309,7 +315,7 @@ def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits
             fp4_kv_write(dev(key), dev(value), kpd, vpd, dev(new_slots))
         paged_attention(dev(q), kpd, vpd, dev(block_table), dev(qsl), dev(sl), max_query_len=1,
                         max_seq_len=max(lens), scale=0.125, sliding_window=window, sinks=dev(sinks),
-                        num_splits=splits, workspace=ws, out=out,
+                        num_splits=splits, workspace=ws, out=out, tile=tile,
                         kv_write=(dev(key), dev(value), dev(new_slots)) if in_kernel else None)
         return c.cpu(), out.cpu()
 
@@ -326,3 +332,60 @@ def test_attention_writes_the_new_decode_tokens(device, seq_lens, window, splits
         bf16 = dev(torch.zeros(nxt + 1, hkv, bs, d, dtype=torch.bfloat16))
         paged_attention(dev(q), bf16, bf16, *args[3:], max_query_len=1, max_seq_len=max(lens), scale=0.125,
                         kv_write=(dev(key), dev(value), dev(new_slots)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,splits,fused", [(None, 16, True), (None, 16, False), (128, 4, True),
+                                                 (None, None, False)])
+def test_attention_kv_write_on_the_gpu_at_gpt_oss_shapes(window, splits, fused):
+    """The in-kernel decode KV write on a GPU, where programs run concurrently (the interpreter runs them one
+    after another): gpt-oss-120b's attention shape (64 query heads, 8 KV heads, head size 64, 16-token pages in a
+    shuffled order), contexts from 1 to 3000 tokens over several 128-token tiles and splits; each new token's slot
+    holds stale bytes first. 20 launches must each give the cache bytes and outputs of write kernel +
+    attention."""
+    from vllm_sm121.kernels import paged_attention
+    from vllm_sm121.kernels.paged_attention import SplitWorkspace
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 64, 8, 64, 16
+    lens = [3000, 700, 129, 1, 33, 1500]
+    n = len(lens)
+    pages = [(s + bs - 1) // bs for s in lens]
+    order = torch.randperm(sum(pages)) + 1
+    block_table = torch.zeros(n + 1, max(pages), dtype=torch.int32)  # (+ a padding sequence's row)
+    at = 0
+    for i, p in enumerate(pages):
+        block_table[i, :p] = order[at:at + p]
+        at += p
+    slot = lambda i, t: int(block_table[i, t // bs]) * bs + t % bs  # noqa: E731
+    cache0 = torch.randint(0, 256, (sum(pages) + 1, 2, hkv * bs * nvfp4_full_dim(d)), dtype=torch.uint8, device=dev)
+    g = torch.tensor([2.0 ** -7], device=dev)
+    views = lambda c: [Nvfp4Pages.view(c[:, j], hkv, bs, d, g) for j in (0, 1)]  # noqa: E731
+    ctx = torch.tensor([slot(i, t) for i, s in enumerate(lens) for t in range(s - 1)], device=dev)
+    rnd = lambda *shape: torch.randn(*shape, device=dev).bfloat16()  # noqa: E731
+    fp4_kv_write(rnd(len(ctx), hkv, d), rnd(len(ctx), hkv, d), *views(cache0), ctx)  # (new slots keep stale bytes)
+    new = torch.tensor([slot(i, s - 1) for i, s in enumerate(lens)] + [-1], device=dev)
+    qkv = rnd(n + 1, (hq + 2 * hkv) * d)
+    q, key, value = (t.view(n + 1, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    qsl = torch.tensor(list(range(n + 1)) + [n], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(lens + [0], dtype=torch.int32, device=dev)
+    sinks = torch.randn(hq, device=dev)
+
+    def run(in_kernel: bool):
+        c = cache0.clone()
+        ws = SplitWorkspace.allocate(n + 1, hq, splits, d, c.device) if splits else None
+        if ws is not None and not fused:
+            ws.cnt = None
+        out = torch.full((n + 1, hq, d), 7.0, dtype=torch.bfloat16, device=dev)
+        if not in_kernel:
+            fp4_kv_write(key, value, *views(c), new)
+        paged_attention(q, *views(c), block_table.to(dev), qsl, seq_lens, max_query_len=1, max_seq_len=max(lens),
+                        scale=0.125, sliding_window=window, sinks=sinks, num_splits=splits, workspace=ws, out=out,
+                        kv_write=(key, value, new) if in_kernel else None)
+        return c, out
+
+    c_ref, o_ref = run(False)
+    assert torch.isfinite(o_ref[:n].float()).all()
+    bad = sum(int(not (torch.equal(c, c_ref) and torch.equal(o, o_ref))) for c, o in (run(True) for _ in range(20)))
+    assert bad == 0, f"{bad} of 20 in-kernel writes differ from write kernel + attention"

@@ -132,6 +132,7 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         # tokens over (``_kv_for_attn``) instead of launching the write kernel, one launch fewer per layer.
         self._kv_in_attn = self._nvfp4 and env_int(KV_IN_ATTN_ENV, 0) == 1
         self._kv_for_attn: tuple | None = None  # (key, value, slot mapping, the step's metadata)
+        self._kv_write_checked = False
         fault = envs.VLLM_SM121_FAULT
         if fault:
             logger.warning("SM121 attention: VLLM_SM121_FAULT=%s set: results are deliberately WRONG (tests only)", fault)
@@ -245,11 +246,18 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         """This step's metadata (vLLM's forward context) if ``forward`` will run one attention launch of one
         query token per sequence over at most ``n_kv`` token rows: that launch can then write the new tokens
         itself (``_kv_in_attn``). None otherwise."""
+        from vllm.config import CUDAGraphMode
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         if not is_forward_context_available():
             return None
-        md = get_forward_context().attn_metadata
+        ctx = get_forward_context()
+        if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                and ctx.cudagraph_runtime_mode != CUDAGraphMode.FULL):
+            # a piecewise capture may hold this op in its graph while the attention op runs outside it
+            # (Inductor graph partition, custom splitting ops): a handover would leave no write at replay
+            return None
+        md = ctx.attn_metadata
         if isinstance(md, list):  # speculative decoding: [0] is the target model's
             md = md[0] if md else None
         if isinstance(md, dict):
@@ -268,33 +276,38 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("SM121 attention does not fuse output quantization")
         kv_write, self._kv_for_attn = self._kv_for_attn, None  # (the new tokens, when the update op left them)
+        if kv_write is not None and kv_write[3] is not attn_metadata:
+            # Never in vLLM's order of ops (each update op is followed by its layer's attention op in the same
+            # step). A handover from another step is dropped, not written late: its slots may belong to
+            # another request by now.
+            logger.warning_once("SM121 attention: a KV write handed over by another step's update op was dropped "
+                                "($VLLM_SM121_KV_IN_ATTN)")
+            kv_write = None
         if attn_metadata is None:  # profiling run
-            if kv_write is not None:  # (the update op saw metadata: not vLLM's order, but never drop a write)
-                fp4_kv_write(*kv_write[:2], *self._kv(kv_cache), kv_write[2])
             return output
         md: SM121AttentionMetadata = attn_metadata
         n = md.num_actual_tokens
         key_cache, value_cache = self._kv(kv_cache)
         if kv_write is not None:
-            if kv_write[3] is not md:  # (never in vLLM's order of ops: the update op saw another batch)
-                fp4_kv_write(*kv_write[:2], key_cache, value_cache, kv_write[2])
-                kv_write = None
-            else:
-                kv_write = kv_write[:3]
+            kv_write = kv_write[:3]
         sinks = self._sinks_f32 if self._sinks_f32 is not None else (
             self.sinks.float() if self.sinks is not None else None)
         fp8 = self.kv_cache_dtype in _FP8_CACHE
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        # (the first call that hands the kernel a KV write is checked too, whenever it comes)
+        check = not self._checked or (kv_write is not None and not self._kv_write_checked)
         common = dict(max_seq_len=md.max_seq_len, scale=self.scale, sliding_window=self.sliding_window,
                       softcap=self.logits_soft_cap, sinks=sinks, k_scale=layer._k_scale if fp8 else None,
-                      v_scale=layer._v_scale if fp8 else None, check=not self._checked)
+                      v_scale=layer._v_scale if fp8 else None, check=check)
         # the weight of the GEMV after this kernel, prefetched into L2 by it (vllm_sm121/l2_plan.py)
         prefetch = attention_prefetch(layer)
         dp = md.decode_part
         if self._mixed_split(md):
             # mixed batch: the leading decode rows with split KV, then the rest in one launch
             d, r = dp.num_tokens, dp.num_reqs
+            if kv_write is not None:  # (never: _decode_launch hands over single launches only)
+                fp4_kv_write(*kv_write[:2], key_cache, value_cache, kv_write[2])
             splits, workspace = md.decode_splits_and_workspace(self.num_heads, self.head_size, self.sliding_window)
             paged_attention(q[:d], key_cache, value_cache, md.block_table[:r], md.query_start_loc[: r + 1],
                             md.seq_lens[:r], max_query_len=dp.max_query_len, out=out[:d], num_splits=splits,
@@ -308,4 +321,5 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
                             max_query_len=md.max_query_len, out=out, num_splits=num_splits, workspace=workspace,
                             prefetch=prefetch, kv_write=kv_write, **common)
         self._checked = True
+        self._kv_write_checked = self._kv_write_checked or kv_write is not None
         return output
