@@ -395,9 +395,9 @@ def moe_specs(family: str) -> list[Spec]:
         specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bytes]",
                                       constexprs=dict(sp.constexprs, BLOCK_K=tiles[0].block_k, HALVES=False))
                   for sp in first]
-        # FC1 / FC2 with bf16 halves-order activations ($VLLM_SM121_MOE_GROUPED_ACT_BF16, opt-in), every tile
-        # that may take them (M.grouped_act_bf16: at most GROUPED_ACT_BF16_MAX_WARPS warps)
-        act_tiles = [t for t in tiles if t.num_warps <= M.GROUPED_ACT_BF16_MAX_WARPS]
+        # FC1 / FC2 with bf16 halves-order activations ($VLLM_SM121_MOE_GROUPED_ACT_BF16, opt-in), every tile,
+        # where the launchers take them (M.GROUPED_ACT_BF16_UNSAFE: not on sm_90)
+        act_tiles = [] if family in M.GROUPED_ACT_BF16_UNSAFE else tiles
         specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bf16 halves act]",
                                       constexprs=dict(sp.constexprs, A_MXFP8=False, A_HALVES=True),
                                       ptr_types=dict(sp.ptr_types, a_ptr="*bf16"))
@@ -619,6 +619,58 @@ def sass_loop(spec: Spec, arch: int) -> tuple[int, dict[str, int]]:
     return len(best), dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+_SASS_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_SASS_DEST = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+(R\d+)\b")
+_HGMMA_A = re.compile(r"HGMMA\.\S+\s+R\d+,\s+R(\d+),")
+
+
+def wgmma_register_hazards(sass: str) -> list[str]:
+    """Loops of sm_90a SASS that leave a wgmma group with register A operands in flight at their back-edge
+    (no ``WARPGROUP.DEPBAR`` between the group and the backward branch) and rewrite one of those registers in
+    the next iteration before its first wait: undefined behaviour per the PTX ISA (wgmma reads its register
+    operands asynchronously), seen as wrong products on an H200 (stop 43: the grouped MoE GEMMs with bf16
+    activations streamed by cp.async, where Triton 3.6 pipelines the wgmma). One line per such loop."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_INS.search, sass.splitlines()) if m]
+    pos = {a: i for i, (a, _) in enumerate(ins)}
+    found = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr or int(m.group(1), 16) not in pos:
+            continue
+        body = [t for _, t in ins[pos[int(m.group(1), 16)]:i + 1]]
+        mma = [j for j, t in enumerate(body) if "HGMMA" in t]
+        if not mma or any("WARPGROUP.DEPBAR" in t for t in body[mma[-1]:]):
+            continue
+        arrive = max((j for j, t in enumerate(body[:mma[-1]]) if "WARPGROUP.ARRIVE" in t), default=-1)
+        regs = {f"R{int(a.group(1)) + k}" for j in mma if j > arrive for a in [_HGMMA_A.search(body[j])] if a
+                for k in range(4)}
+        first_wait = next((j for j, t in enumerate(body) if "WARPGROUP.DEPBAR" in t), len(body))
+        writes = [t for t in body[:first_wait] if (d := _SASS_DEST.match(t)) and d.group(2) in regs
+                  and not d.group(1).startswith(("ST", "HGMMA"))]
+        if writes:
+            found.append(f"loop at {int(m.group(1), 16):#x}: {len(writes)} writes of in-flight wgmma A registers "
+                         f"before the first wait (e.g. {writes[0]})")
+    return found
+
+
+def wgmma_hazard_report() -> dict:
+    """``wgmma_register_hazards`` of every sm_90a kernel whose SASS has wgmma, and of the negative control: the
+    grouped FC1 with bf16 halves-order activations (stop 43; no longer launched on sm_90), which has one."""
+    kernels, hazards = 0, {}
+    for spec in all_specs(ARCHS[90]):
+        sass = _spec_sass(spec, 90)
+        if "HGMMA" in sass:
+            kernels += 1
+            if found := wgmma_register_hazards(sass):
+                hazards[spec.name] = found
+    fc1 = next(s for s in moe_specs(ARCHS[90]) if s.name.startswith("moe_fc1_grouped[gpt-oss K2880 I2880 top4, mxfp8 in")
+               and s.name.endswith("tile 16,128,64,4,4]"))
+    control = dataclasses.replace(fc1, name=fc1.name[:-1] + ", bf16 halves act]",
+                                  constexprs=dict(fc1.constexprs, A_MXFP8=False, A_HALVES=True),
+                                  ptr_types=dict(fc1.ptr_types, a_ptr="*bf16"))
+    return dict(kernels=kernels, hazards=hazards, control=wgmma_register_hazards(_spec_sass(control, 90)))
+
+
 def compile_all(arch: int) -> list[Result]:
     return [compile_spec(s, arch) for s in all_specs(ARCHS[arch])]
 
@@ -632,9 +684,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sass-order", metavar="NAME", nargs="+",
                     help="instead: {kernel: sass_order} as JSON for these kernel names (sm_90a: the bundled "
                          "cuobjdump cannot disassemble sm_121a)")
+    ap.add_argument("--wgmma-hazards", action="store_true",
+                    help="instead: JSON {kernels, hazards, control} of wgmma_register_hazards over every sm_90a "
+                         "kernel with wgmma, and over a build known to have one (the negative control)")
     args = ap.parse_args(argv)
     if triton.knobs.runtime.interpret:
         raise SystemExit("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler")
+    if args.wgmma_hazards:
+        print(json.dumps(wgmma_hazard_report()))
+        return 0
     if args.sass_order:
         specs = {s.name: s for s in all_specs(ARCHS[90])}
         missing = [n for n in args.sass_order if n not in specs]

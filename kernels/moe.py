@@ -1024,28 +1024,42 @@ def act_halves_bf16_torch(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tenso
 # "Stop 42"). 0 / 1, read at call time; tiles of at least this many tokens take it when set to a number > 1
 # (1: every grouped FC1 with MXFP8 input). Timed in stop 43 (H200, 23085b8, moe_block µs off / on): M = 64
 # 795.9 / 751.1, M = 512 1,194.6 / 1,183.5, M = 2048 2,521.8 / 2,559.5, where the outputs were also wrong
-# (relL2 0.17): the sm_90 tile there (64,128,128,8,3) gives other FC1 bits with bf16 activations and without
-# F2 at gpt-oss-120b's shapes (tests/test_moe.py, 128 experts, M = 2048; the same tile with F2, at 4 experts,
-# and the 4-warp tiles gave the same bits). Not localized (most likely the 8-warp pipeline of that build), so
-# tiles of more than GROUPED_ACT_BF16_MAX_WARPS warps keep the MXFP8 operand, logged once.
+# (relL2 0.17). Cause, read off the sm_90a SASS (tests/test_aot_compile.py checks every sm_90a kernel for it):
+# with the bf16 operand streamed by cp.async, Triton 3.6 pipelines the wgmma and leaves the K step's second
+# wgmma in flight across the loop's back-edge, while the next step rewrites its A-operand registers (the
+# decoded weights) before the wait: undefined behaviour per the PTX ISA, wrong products when the wgmma reads
+# late (seen at M = 2048 on the 8-warp tile; the 4-warp builds have the same pattern). The MXFP8 operand path
+# waits inside the loop (its B operand is stored from registers each step). So sm_90 (wgmma) refuses the opt-in;
+# sm_12x builds use the synchronous mma.sync (no such hazard; not run on a GB10).
 GROUPED_ACT_BF16_ENV = "VLLM_SM121_MOE_GROUPED_ACT_BF16"
-GROUPED_ACT_BF16_MAX_WARPS = 4
+GROUPED_ACT_BF16_UNSAFE = (_platform.SM90,)
+ACT_BF16_UNSAFE_WHY = ("Triton 3.6's pipelined wgmma leaves a register-operand MMA in flight across the K loop "
+                       "while its registers are rewritten (wrong outputs measured on an H200); the MXFP8 operand "
+                       "path runs instead")
 
 
-def grouped_act_bf16(tiles: GroupedTiles) -> bool:
-    """Whether a grouped FC1 / FC2 with ``tiles`` takes bf16 halves-order activations when it runs the
-    halves decoder ($VLLM_SM121_MOE_GROUPED_ACT_BF16: 0 off (default), 1 always, N > 1 for tiles of >= N
-    tokens; the launchers check the decoder). Never for tiles of more than GROUPED_ACT_BF16_MAX_WARPS
-    warps (wrong bits measured there, see above; logged once when the variable asks for such a tile)."""
+def grouped_act_bf16(tiles: GroupedTiles, t: torch.Tensor) -> bool:
+    """Whether a grouped FC1 / FC2 with ``tiles`` on ``t``'s device takes bf16 halves-order activations when it
+    runs the halves decoder ($VLLM_SM121_MOE_GROUPED_ACT_BF16: 0 off (default), 1 always, N > 1 for tiles of
+    >= N tokens; the launchers check the decoder). Never on the families of GROUPED_ACT_BF16_UNSAFE (see above;
+    logged once when the variable asks for it there)."""
     n = V.env_int(GROUPED_ACT_BF16_ENV, 0)
     if not (n > 0 and tiles.block_m >= n):
         return False
-    if tiles.num_warps > GROUPED_ACT_BF16_MAX_WARPS:
-        _log_once(f"${GROUPED_ACT_BF16_ENV}={n}: grouped tiles {tiles.spec()} keep MXFP8 activations (bf16 halves-order "
-                  f"activations gave wrong outputs with {tiles.num_warps} warps on an H200; tiles of <= "
-                  f"{GROUPED_ACT_BF16_MAX_WARPS} warps take them)")
+    if _platform.family_of(t) in GROUPED_ACT_BF16_UNSAFE:
+        _log_once(f"${GROUPED_ACT_BF16_ENV}={n} is not applied on {_platform.family_of(t)}: {ACT_BF16_UNSAFE_WHY}")
         return False
     return True
+
+
+
+def _act_bf16(tiles: GroupedTiles, t: torch.Tensor, act_bf16: bool | None) -> bool:
+    """The launchers' choice: ``act_bf16`` if given (True refused where unsafe), else ``grouped_act_bf16``."""
+    if act_bf16 is None:
+        return grouped_act_bf16(tiles, t)
+    if act_bf16 and _platform.family_of(t) in GROUPED_ACT_BF16_UNSAFE:
+        raise ValueError(f"act_bf16=True is not supported on {_platform.family_of(t)}: {ACT_BF16_UNSAFE_WHY}")
+    return act_bf16
 
 
 @functools.lru_cache(maxsize=None)
@@ -1077,7 +1091,7 @@ def moe_fc1_swiglu_grouped(a, a_scale, w13, w13_scale, bias, topk_ids, align=Non
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         block_k, halves = _grouped_block_k(a, tiles, k)
-        a_halves = mxfp8 and halves and (grouped_act_bf16(tiles) if act_bf16 is None else act_bf16)
+        a_halves = mxfp8 and halves and _act_bf16(tiles, a, act_bf16)
         if a_halves:
             a_in, a_s = act_halves_bf16_torch(a, a_scale), out_scale
         else:
@@ -1127,7 +1141,7 @@ def moe_fc2_grouped(h, h_scale, w2, w2_scale, bias, topk_ids, topk_weights, alig
     if m:
         order, tile_e, tile_s, tile_t = _grouped_align(align, topk_ids, e, tiles)
         block_k, halves = _grouped_block_k(h, tiles, i)
-        a_halves = halves and (grouped_act_bf16(tiles) if act_bf16 is None else act_bf16)
+        a_halves = halves and _act_bf16(tiles, h, act_bf16)
         _moe_fc2_grouped_kernel[(tile_e.numel(), -(-hidden // tiles.block_n))](
             act_halves_bf16_torch(h, h_scale) if a_halves else h.view(torch.uint8), h_scale, w2, w2_scale, bias,
             topk_weights, order, tile_e, tile_s, tile_t, part,

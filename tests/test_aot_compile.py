@@ -177,3 +177,16 @@ def test_small_decode_kernels_load_everything_before_waiting():
         head = _before(order[name], ("SYNCS.PHASECHK",))
         assert "LDG.E.U16" in head and "LDG.E.U8" in head, (name, order[name])
         assert "LDG.E.U16" not in order[name][len(head):], (name, order[name])
+
+
+def test_no_sm90_kernel_leaves_a_register_operand_wgmma_in_flight():
+    """Every sm_90a kernel with wgmma waits for a wgmma group whose A operand is in registers before it rewrites
+    those registers (``aot.wgmma_register_hazards``): the cause of the stop-43 wrong outputs of the grouped MoE
+    GEMMs with bf16 activations. The negative control (that build, no longer launched on sm_90) is flagged."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_sm121.kernels.aot", "--wgmma-hazards"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["kernels"] >= 10 and report["control"], report
+    assert not report["hazards"], report["hazards"]
