@@ -398,17 +398,18 @@ def moe_specs(family: str) -> list[Spec]:
         # FC1 / FC2 with bf16 halves-order activations ($VLLM_SM121_MOE_GROUPED_ACT_BF16, opt-in), every tile,
         # where the launchers take them (M.GROUPED_ACT_BF16_UNSAFE: not on sm_90)
         act_tiles = [] if family in M.GROUPED_ACT_BF16_UNSAFE else tiles
-        specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bf16 halves act]",
-                                      constexprs=dict(sp.constexprs, A_MXFP8=False, A_HALVES=True),
-                                      ptr_types=dict(sp.ptr_types, a_ptr="*bf16"))
-                  for sp in specs if sp.name.startswith("moe_fc1_grouped[gpt-oss K2880 I2880 top4, mxfp8 in")
-                  and any(sp.name.endswith(f"tile {t.spec()}]") for t in act_tiles)]
-        specs += [dataclasses.replace(sp, name=sp.name[:-1] + ", bf16 halves act]",
-                                      constexprs=dict(sp.constexprs, A_HALVES=True),
-                                      ptr_types=dict(sp.ptr_types, h_ptr="*bf16"))
-                  for sp in specs if sp.name.startswith("moe_fc2_grouped")
+        specs += [_bf16_act_variant(sp) for sp in specs
+                  if sp.name.startswith(("moe_fc1_grouped[gpt-oss K2880 I2880 top4, mxfp8 in", "moe_fc2_grouped"))
                   and any(sp.name.endswith(f"tile {t.spec()}]") for t in act_tiles)]
     return specs
+
+
+def _bf16_act_variant(sp: Spec) -> Spec:
+    """A grouped FC1 (MXFP8 input) or FC2 spec with bf16 halves-order activations (A_HALVES)."""
+    fc1 = sp.name.startswith("moe_fc1")
+    return dataclasses.replace(sp, name=sp.name[:-1] + ", bf16 halves act]",
+                               constexprs=dict(sp.constexprs, A_HALVES=True, **({"A_MXFP8": False} if fc1 else {})),
+                               ptr_types=dict(sp.ptr_types, **{"a_ptr" if fc1 else "h_ptr": "*bf16"}))
 
 
 def dense_specs(family: str) -> list[Spec]:
@@ -631,13 +632,12 @@ def wgmma_register_hazards(sass: str) -> list[str]:
     operands asynchronously), seen as wrong products on an H200 (stop 43: the grouped MoE GEMMs with bf16
     activations streamed by cp.async, where Triton 3.6 pipelines the wgmma). One line per such loop."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_INS.search, sass.splitlines()) if m]
-    pos = {a: i for i, (a, _) in enumerate(ins)}
     found = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
-        if not m or int(m.group(1), 16) >= addr or int(m.group(1), 16) not in pos:
+    for m in _SASS_BACK_BRA.finditer(sass):  # a loop = the span of a backward branch (as sass_loop)
+        end, start = int(m.group(1), 16), int(m.group(2), 16)
+        if start >= end:
             continue
-        body = [t for _, t in ins[pos[int(m.group(1), 16)]:i + 1]]
+        body = [t for a, t in ins if start <= a <= end]
         mma = [j for j, t in enumerate(body) if "HGMMA" in t]
         if not mma or any("WARPGROUP.DEPBAR" in t for t in body[mma[-1]:]):
             continue
@@ -648,7 +648,7 @@ def wgmma_register_hazards(sass: str) -> list[str]:
         writes = [t for t in body[:first_wait] if (d := _SASS_DEST.match(t)) and d.group(2) in regs
                   and not d.group(1).startswith(("ST", "HGMMA"))]
         if writes:
-            found.append(f"loop at {int(m.group(1), 16):#x}: {len(writes)} writes of in-flight wgmma A registers "
+            found.append(f"loop at {start:#x}: {len(writes)} writes of in-flight wgmma A registers "
                          f"before the first wait (e.g. {writes[0]})")
     return found
 
@@ -665,10 +665,8 @@ def wgmma_hazard_report() -> dict:
                 hazards[spec.name] = found
     fc1 = next(s for s in moe_specs(ARCHS[90]) if s.name.startswith("moe_fc1_grouped[gpt-oss K2880 I2880 top4, mxfp8 in")
                and s.name.endswith("tile 16,128,64,4,4]"))
-    control = dataclasses.replace(fc1, name=fc1.name[:-1] + ", bf16 halves act]",
-                                  constexprs=dict(fc1.constexprs, A_MXFP8=False, A_HALVES=True),
-                                  ptr_types=dict(fc1.ptr_types, a_ptr="*bf16"))
-    return dict(kernels=kernels, hazards=hazards, control=wgmma_register_hazards(_spec_sass(control, 90)))
+    return dict(kernels=kernels, hazards=hazards,
+                control=wgmma_register_hazards(_spec_sass(_bf16_act_variant(fc1), 90)))
 
 
 def compile_all(arch: int) -> list[Result]:

@@ -1052,7 +1052,6 @@ def grouped_act_bf16(tiles: GroupedTiles, t: torch.Tensor) -> bool:
     return True
 
 
-
 def _act_bf16(tiles: GroupedTiles, t: torch.Tensor, act_bf16: bool | None) -> bool:
     """The launchers' choice: ``act_bf16`` if given (True refused where unsafe), else ``grouped_act_bf16``."""
     if act_bf16 is None:

@@ -266,6 +266,9 @@ def paged_attention(
     ``fp4_kv_write``) before it reads them, so no write launch precedes it (``kv_write_check``).
     """
     kv_nvfp4 = isinstance(key_cache, Nvfp4Pages)
+    if kv_write is not None and not kv_nvfp4:
+        raise ValueError("kv_write takes nvfp4 pages (Nvfp4Pages); the bf16 / fp8 caches are written by "
+                         "write_kv_cache")
     if not check:
         if out is None:
             out = torch.empty_like(q)
@@ -277,9 +280,6 @@ def paged_attention(
                            scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
                            num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch,
                            kv_write=kv_write)
-        if kv_write is not None:
-            raise ValueError("kv_write takes nvfp4 pages (Nvfp4Pages); the bf16 / fp8 caches are written by "
-                             "write_kv_cache")
         return _launch(q, key_cache, value_cache, None, None, block_table, query_start_loc, seq_lens,
                        kv_fp8=key_cache.dtype in V.FP8_DTYPES, kv_nvfp4=False, k_scale=k_scale, v_scale=v_scale,
                        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
@@ -296,9 +296,6 @@ def paged_attention(
                                       sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
                                       num_splits=num_splits, workspace=workspace, tile=tile, prefetch=prefetch,
                                       kv_write=kv_write)
-    if kv_write is not None:
-        raise ValueError("kv_write takes nvfp4 pages (Nvfp4Pages); the bf16 / fp8 caches are written by "
-                         "write_kv_cache")
     V.check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_size]")
     V.check_ndim("key_cache", key_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
     V.check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")

@@ -297,7 +297,17 @@ def test_nvfp4_decode_write_inside_the_attention_kernel(backend_parts, layer, mo
     k1, v1 = ((torch.randn(len(ctx), HKV, D, generator=g) * 1e-3).bfloat16() for _ in range(2))
     k2, v2 = ((torch.randn(5, HKV, D, generator=g) * 1e-3).bfloat16() for _ in range(2))
     q = torch.randn(5, HQ, D, generator=g).bfloat16()
-    layer_ns = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), layer_name=layer)
+    layer_ns = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), layer_name=layer,
+                                     kv_cache=None)
+
+    def context(attn_metadata, mode=None):
+        """vLLM's forward context as the update op sees it (read through vLLM's get_attention_context)."""
+        import vllm.model_executor.layers.attention.attention as va
+
+        ctx = types.SimpleNamespace(attn_metadata=attn_metadata, no_compile_layers={layer: layer_ns},
+                                    slot_mapping={}, cudagraph_runtime_mode=mode)
+        monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
+        monkeypatch.setattr(va, "get_forward_context", lambda: ctx)
 
     def step(in_attn: bool):
         monkeypatch.setenv(KV_IN_ATTN_ENV, "1" if in_attn else "0")
@@ -310,7 +320,7 @@ def test_nvfp4_decode_write_inside_the_attention_kernel(backend_parts, layer, mo
         impl.do_kv_cache_update(layer_ns, k1, v1, kv_cache, torch.tensor(ctx, dtype=torch.int64))  # the context
         md = builder.build(0, _common(b, slot_mapping))
         monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
-        monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md}))
+        context({layer: md})
         before = kv_cache.clone()
         impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
         assert torch.equal(kv_cache, before) == in_attn  # the update op wrote nothing when the kernel writes
@@ -326,7 +336,7 @@ def test_nvfp4_decode_write_inside_the_attention_kernel(backend_parts, layer, mo
     # a prefill chunk in the same configuration: the update op writes (the kernel writes decode launches only)
     p = make_paged_batch([4], [20], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BS)
     md_p = builder.build(0, _common(p, torch.arange(16, 20, dtype=torch.int64)))
-    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md_p}))
+    context({layer: md_p})
     kv_cache = torch.zeros_like(c_on)
     impl.do_kv_cache_update(layer_ns, k2[:4], v2[:4], kv_cache, torch.arange(16, 20, dtype=torch.int64))
     assert impl._kv_for_attn is None and kv_cache.any()
@@ -338,15 +348,14 @@ def test_nvfp4_decode_write_inside_the_attention_kernel(backend_parts, layer, mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     for mode, handed in ((CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.FULL, True)):
-        monkeypatch.setattr(fc, "get_forward_context", lambda m=mode: types.SimpleNamespace(
-            attn_metadata=[{layer: md}], cudagraph_runtime_mode=m))  # (speculative decoding's list form)
+        context([{layer: md}], mode)  # (speculative decoding's list form)
         kv_cache = torch.zeros_like(c_on)
         impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
         assert (impl._kv_for_attn is not None) == handed and bool(kv_cache.any()) != handed
         impl._kv_for_attn = None
     # a handover that another step's attention finds (never in vLLM's order) is dropped, not written late
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata={layer: md}))
+    context({layer: md})
     kv_cache = torch.zeros_like(c_on)
     impl.do_kv_cache_update(layer_ns, k2, v2, kv_cache, slot_mapping)
     other = builder.build(0, _common(b, slot_mapping))

@@ -61,7 +61,7 @@ DECLARED: dict[str, tuple[str, str]] = {
     "VLLM_SM121_MOE_FUSED_ROUTE": ("kernels/moe.py", "the routing inside FC1"),
     "VLLM_SM121_MOE_GROUPED_TILE": ("kernels/moe.py", "grouped-GEMM tile override (bk ignored under the halves decoder)"),
     "VLLM_SM121_MOE_GROUPED_HALVES": ("kernels/moe.py", "grouped GEMMs' halves weight decoder (0: checkpoint order)"),
-    "VLLM_SM121_MOE_GROUPED_ACT_BF16": ("kernels/moe.py", "grouped FC1 with bf16 halves-order activations (opt-in; N: tiles of >= N tokens)"),
+    "VLLM_SM121_MOE_GROUPED_ACT_BF16": ("kernels/moe.py", "grouped FC1 / FC2 with bf16 halves-order activations (opt-in; N: tiles of >= N tokens; not on sm_90)"),
     "VLLM_SM121_MOE_PDL": ("kernels/moe.py", "programmatic dependent launch for the MoE kernels"),
     "VLLM_SM121_MOE_SCALES_AHEAD": ("kernels/moe.py", "next K step's weight scales loaded ahead"),
     "VLLM_SM121_MOE_SCALE_LDG": ("kernels/moe.py", "MoE scale loads through the non-coherent path"),

@@ -248,20 +248,16 @@ class SM121AttentionImpl(AttentionImpl[SM121AttentionMetadata]):
         itself (``_kv_in_attn``). None otherwise."""
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm.model_executor.layers.attention.attention import get_attention_context
 
         if not is_forward_context_available():
             return None
-        ctx = get_forward_context()
         if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-                and ctx.cudagraph_runtime_mode != CUDAGraphMode.FULL):
+                and get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.FULL):
             # a piecewise capture may hold this op in its graph while the attention op runs outside it
             # (Inductor graph partition, custom splitting ops): a handover would leave no write at replay
             return None
-        md = ctx.attn_metadata
-        if isinstance(md, list):  # speculative decoding: [0] is the target model's
-            md = md[0] if md else None
-        if isinstance(md, dict):
-            md = md.get(getattr(layer, "layer_name", None))
+        md = get_attention_context(layer.layer_name)[0]  # (what the attention op will be handed)
         ok = (isinstance(md, SM121AttentionMetadata) and md.max_query_len == 1 and md.num_actual_tokens <= n_kv
               and not self._mixed_split(md))
         return md if ok else None
